@@ -1,0 +1,314 @@
+// The pyshmckpt._C module: Segment, CopyEvent and a few free functions. Names are snake_case,
+// failed system calls become OSError with errno, bad arguments become ValueError.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "checksum.h"
+#include "copy_engine.h"
+#include "errors.h"
+#include "pinning.h"
+#include "segment.h"
+#include "thread_pool.h"
+
+namespace py = pybind11;
+using namespace pyshmckpt;
+
+namespace {
+
+using U64Array = py::array_t<std::uint64_t, py::array::c_style | py::array::forcecast>;
+
+const CopyEntry* entries_of(const U64Array& entries, std::size_t* count) {
+  if (entries.ndim() != 2 || entries.shape(1) != 3) {
+    throw ArgumentError("copy entries must be an array of shape (n, 3): src, dst offset, nbytes");
+  }
+  static_assert(sizeof(CopyEntry) == 3 * sizeof(std::uint64_t), "CopyEntry must be packed");
+  *count = static_cast<std::size_t>(entries.shape(0));
+  return reinterpret_cast<const CopyEntry*>(entries.data());
+}
+
+// Keeps the mapping alive while the GIL is released, even if another thread closes the segment.
+class MappingUse {
+ public:
+  explicit MappingUse(Segment& segment) : segment_(segment) { segment_.acquire_export(); }
+  ~MappingUse() { segment_.release_export(); }
+  MappingUse(const MappingUse&) = delete;
+  MappingUse& operator=(const MappingUse&) = delete;
+
+ private:
+  Segment& segment_;
+};
+
+int segment_getbuffer(PyObject* obj, Py_buffer* view, int flags) {
+  view->obj = nullptr;
+  Segment* segment = nullptr;
+  try {
+    segment = py::handle(obj).cast<Segment*>();
+  } catch (const std::exception&) {
+    PyErr_SetString(PyExc_BufferError, "not a pyshmckpt segment");
+    return -1;
+  }
+  if (segment == nullptr || segment->closed()) {
+    PyErr_SetString(PyExc_BufferError, "segment is closed");
+    return -1;
+  }
+  if (PyBuffer_FillInfo(view, obj, segment->base(), static_cast<Py_ssize_t>(segment->mapped_size()),
+                        0, flags) != 0) {
+    return -1;
+  }
+  segment->acquire_export();
+  return 0;
+}
+
+void segment_releasebuffer(PyObject* obj, Py_buffer*) {
+  try {
+    py::handle(obj).cast<Segment*>()->release_export();
+  } catch (const std::exception&) {
+    // Only pyshmckpt segments reach here; nothing to release otherwise.
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "Native core of pyshmckpt: shared-memory segments, pinning, copies, checksums.";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const SyscallError& e) {
+      std::string message = e.call() + ": " + e.detail();
+      py::object err = py::module_::import("builtins").attr("OSError")(e.err(), message, e.name());
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err.ptr())), err.ptr());
+    } catch (const CudaError& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    } catch (const ArgumentError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.attr("HEADER_SIZE") = kHeaderSize;
+  m.attr("TOKEN_SIZE") = kTokenSize;
+
+  py::class_<CopyEvent, std::unique_ptr<CopyEvent>>(m, "CopyEvent",
+                                                    "Completion of a batch of device-to-host copies.")
+      .def("query", &CopyEvent::query, "True once every copy of the batch has completed.")
+      .def("wait", &CopyEvent::wait, py::arg("timeout"), py::call_guard<py::gil_scoped_release>(),
+           "Wait up to `timeout` seconds (negative: no limit) with the GIL released; True when done.")
+      .def_property_readonly("device", &CopyEvent::device);
+
+  // Holds the segment's mapping (an export) until waited for or destroyed.
+  struct PyHostCopy {
+    std::unique_ptr<HostCopy> copy;
+    Segment* segment;
+    bool released = false;
+    void finish() {
+      if (!released) {
+        released = true;
+        segment->release_export();
+      }
+    }
+    ~PyHostCopy() {
+      copy.reset();  // joins the thread
+      finish();
+    }
+  };
+  py::class_<PyHostCopy>(m, "HostCopy", "A host copy running in the background.")
+      .def(
+          "wait",
+          [](PyHostCopy& c) {
+            {
+              py::gil_scoped_release release;
+              c.copy->wait();
+            }
+            c.finish();
+          },
+          "Wait for the copy (GIL released) and raise its error, if any.")
+      .def_property_readonly("done", [](const PyHostCopy& c) { return c.copy->done(); });
+
+  py::class_<Segment, std::unique_ptr<Segment>> segment(m, "Segment", py::buffer_protocol(),
+                                                        R"doc(
+A named POSIX shared-memory segment with a one-page header. Offsets are from the start of the
+mapping; data lives in [data_offset, data_offset + size). The buffer protocol exposes the whole
+mapping, writable and zero-copy; the mapping stays valid while any exported view is alive.
+)doc");
+  segment
+      .def_static(
+          "create",
+          [](std::size_t size, const std::string& prefix) {
+            py::gil_scoped_release release;
+            return std::make_unique<Segment>(Segment::create(size, prefix));
+          },
+          py::arg("size"), py::arg("prefix") = "pyshmckpt",
+          "Create a 0600 segment with `size` data bytes (rounded up to pages), every page allocated.")
+      .def_static(
+          "attach",
+          [](const std::string& name, std::size_t size, const py::bytes& token) {
+            std::string raw = token;
+            py::gil_scoped_release release;
+            return std::make_unique<Segment>(Segment::attach(name, size, raw));
+          },
+          py::arg("name"), py::arg("size"), py::arg("token"),
+          "Map an existing segment after checking owner, permissions, size, header and token.")
+      .def_property_readonly("name", &Segment::name)
+      .def_property_readonly("size", &Segment::size)
+      .def_property_readonly("mapped_size", &Segment::mapped_size)
+      .def_property_readonly("data_offset", &Segment::data_offset)
+      .def_property_readonly("fd", &Segment::fd)
+      .def_property_readonly("owner", &Segment::owner)
+      .def_property_readonly("closed", &Segment::closed)
+      .def_property_readonly("unlinked", &Segment::unlinked)
+      .def_property_readonly("exports", &Segment::exports)
+      .def_property_readonly("token", [](const Segment& s) { return py::bytes(s.token()); })
+      .def_property_readonly("address",
+                             [](const Segment& s) { return reinterpret_cast<std::uintptr_t>(s.base()); })
+      .def_property_readonly("pinned", &Segment::pinned)
+      .def_property_readonly("pin_error", &Segment::pin_error)
+      .def("unlink", &Segment::unlink, "Remove the name from /dev/shm; idempotent.")
+      .def("close", &Segment::close,
+           "Unpin, unlink if created here, and unmap once no view is exported; idempotent.")
+      .def("pin", &Segment::pin, py::arg("chunk_bytes") = std::size_t{1} << 30,
+           py::call_guard<py::gil_scoped_release>(),
+           "cudaHostRegister the mapping in chunks; False (see pin_error) when it cannot be pinned.")
+      .def("unpin", &Segment::unpin, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "copy_from_host",
+          [](Segment& s, const U64Array& entries) {
+            std::size_t count = 0;
+            const CopyEntry* e = entries_of(entries, &count);
+            MappingUse use(s);
+            py::gil_scoped_release release;
+            copy_host(s, e, count);
+          },
+          py::arg("entries"),
+          R"doc(
+Copy host memory into the segment: `entries` is a (n, 3) uint64 array of source address,
+destination offset and byte count. Runs on the thread pool with the GIL released.
+SAFETY: every source address must be readable for its byte count and stay alive and unmodified
+until this returns; the caller keeps the owning objects alive.
+)doc")
+      .def(
+          "copy_from_host_async",
+          [](Segment& s, const U64Array& entries) {
+            std::size_t count = 0;
+            const CopyEntry* e = entries_of(entries, &count);
+            s.acquire_export();
+            auto out = std::make_unique<PyHostCopy>();
+            out->segment = &s;
+            try {
+              out->copy = std::make_unique<HostCopy>(s, e, count);
+            } catch (...) {
+              out->finish();
+              throw;
+            }
+            return out;
+          },
+          py::arg("entries"), py::keep_alive<0, 1>(),
+          R"doc(
+Start copy_from_host on a background thread and return a HostCopy to wait() on. The entries are
+copied, bounds are checked before this returns, and the segment stays mapped until the copy is
+waited for. SAFETY: as copy_from_host, until wait() returns.
+)doc")
+      .def(
+          "copy_from_device",
+          [](Segment& s, const U64Array& entries, std::uintptr_t stream, int device) {
+            std::size_t count = 0;
+            const CopyEntry* e = entries_of(entries, &count);
+            MappingUse use(s);
+            py::gil_scoped_release release;
+            return copy_device_async(s, e, count, stream, device);
+          },
+          py::arg("entries"), py::arg("stream"), py::arg("device"),
+          R"doc(
+Issue device-to-host copies of (n, 3) entries on the CUDA stream handle `stream` of `device` and
+return a CopyEvent. SAFETY: sources must be device memory that stays allocated, and unmodified,
+until the event completes; the caller keeps the owning tensors alive until then.
+)doc")
+      .def(
+          "checksums",
+          [](Segment& s, const U64Array& ranges) {
+            if (ranges.ndim() != 2 || ranges.shape(1) != 2) {
+              throw ArgumentError("checksum ranges must be an array of shape (n, 2): offset, nbytes");
+            }
+            const std::size_t count = static_cast<std::size_t>(ranges.shape(0));
+            const std::uint64_t* r = ranges.data();
+            for (std::size_t i = 0; i < count; ++i) {
+              if (r[2 * i] > s.mapped_size() || r[2 * i + 1] > s.mapped_size() - r[2 * i]) {
+                throw ArgumentError("checksum range " + std::to_string(i) + " lies outside segment '" +
+                                    s.name() + "'");
+              }
+            }
+            py::array_t<std::uint32_t> out(static_cast<py::ssize_t>(count));
+            std::uint32_t* o = out.mutable_data();
+            MappingUse use(s);
+            {
+              py::gil_scoped_release release;
+              const std::uint8_t* base = s.base();
+              ThreadPool::instance().parallel_for(count, [&](std::size_t i) {
+                o[i] = crc32c(base + r[2 * i], r[2 * i + 1]);
+              });
+            }
+            return out;
+          },
+          py::arg("ranges"), "CRC32C of each (offset, nbytes) range, computed in parallel.")
+      .def("__enter__", [](Segment& s) -> Segment& { return s; }, py::return_value_policy::reference)
+      .def("__exit__", [](Segment& s, const py::args&) { s.close(); })
+      .def("__repr__", [](const Segment& s) {
+        return "<pyshmckpt._C.Segment '" + s.name() + "' size=" + std::to_string(s.size()) +
+               (s.closed() ? " closed" : "") + (s.pinned() ? " pinned" : "") + ">";
+      });
+  auto* heap = reinterpret_cast<PyHeapTypeObject*>(segment.ptr());
+  heap->as_buffer.bf_getbuffer = segment_getbuffer;
+  heap->as_buffer.bf_releasebuffer = segment_releasebuffer;
+
+  m.def("cuda_compiled", &cuda_compiled, "True when the CUDA path was compiled in.");
+  m.def("cuda_device_count", &cuda_device_count,
+        "CUDA devices visible to the runtime; 0 without CUDA, a driver or a device. Never raises.");
+  m.def(
+      "is_pinned",
+      [](std::uintptr_t address) { return is_pinned_pointer(reinterpret_cast<const void*>(address)); },
+      py::arg("address"), "True when CUDA reports the host address as page-locked.");
+  m.def(
+      "crc32c",
+      [](const py::buffer& data, std::uint32_t value) {
+        py::buffer_info info = data.request();
+        if (info.ndim > 1 && !PyBuffer_IsContiguous(
+                                 reinterpret_cast<Py_buffer*>(info.view()), 'A')) {
+          throw ArgumentError("crc32c needs a contiguous buffer");
+        }
+        const std::size_t nbytes = static_cast<std::size_t>(info.size * info.itemsize);
+        py::gil_scoped_release release;
+        return crc32c(info.ptr, nbytes, value);
+      },
+      py::arg("data"), py::arg("value") = 0,
+      "CRC32C of a contiguous buffer, continuing from `value`; the GIL is released.");
+  m.def("crc32c_hardware", &crc32c_hardware, "True when CRC32C uses a CPU instruction.");
+  m.def("num_threads", [] { return ThreadPool::instance().num_threads(); },
+        "Threads used by copies, prefaulting and checksums (the caller's included).");
+  m.def(
+      "set_num_threads",
+      [](std::size_t n) {
+        if (n == 0 || n > 256) throw ArgumentError("num_threads must be in [1, 256]");
+        py::gil_scoped_release release;
+        ThreadPool::instance().resize(n);
+      },
+      py::arg("num_threads"));
+  m.def(
+      "populate",
+      [](std::uintptr_t address, std::size_t nbytes) {
+        if (address == 0) throw ArgumentError("populate needs a non-null address");
+        py::gil_scoped_release release;
+        populate_pages(reinterpret_cast<std::uint8_t*>(address), nbytes, "");
+      },
+      py::arg("address"), py::arg("nbytes"),
+      R"doc(
+Fault in the pages of a shared mapping in parallel so later accesses take no page faults.
+SAFETY: `address` must point into a live writable shared mapping of at least `nbytes` bytes
+(for example a torch shared storage); the caller keeps its owner alive until this returns.
+)doc");
+}

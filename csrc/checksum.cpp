@@ -1,0 +1,85 @@
+#include "checksum.h"
+
+#include <array>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <nmmintrin.h>
+#define PYSHMCKPT_CRC_X86 1
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_CRC32)
+#include <arm_acle.h>
+#define PYSHMCKPT_CRC_ARM 1
+#endif
+
+namespace pyshmckpt {
+namespace {
+
+constexpr std::uint32_t kPoly = 0x82F63B78u;  // reflected Castagnoli polynomial
+
+std::array<std::uint32_t, 256> make_table() {
+  std::array<std::uint32_t, 256> table{};
+  for (std::uint32_t i = 0; i < 256; ++i) {
+    std::uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ kPoly : c >> 1;
+    table[i] = c;
+  }
+  return table;
+}
+
+std::uint32_t crc32c_software(const std::uint8_t* p, std::size_t n, std::uint32_t c) noexcept {
+  static const std::array<std::uint32_t, 256> table = make_table();
+  for (std::size_t i = 0; i < n; ++i) c = table[(c ^ p[i]) & 0xFF] ^ (c >> 8);
+  return c;
+}
+
+#if defined(PYSHMCKPT_CRC_X86)
+__attribute__((target("sse4.2"))) std::uint32_t crc32c_hw(const std::uint8_t* p, std::size_t n,
+                                                          std::uint32_t c) noexcept {
+  std::uint64_t c64 = c;
+  while (n >= 8) {
+    std::uint64_t v;
+    std::memcpy(&v, p, 8);
+    c64 = _mm_crc32_u64(c64, v);
+    p += 8;
+    n -= 8;
+  }
+  c = static_cast<std::uint32_t>(c64);
+  while (n-- > 0) c = _mm_crc32_u8(c, *p++);
+  return c;
+}
+bool detect_hardware() noexcept { return __builtin_cpu_supports("sse4.2"); }
+#elif defined(PYSHMCKPT_CRC_ARM)
+std::uint32_t crc32c_hw(const std::uint8_t* p, std::size_t n, std::uint32_t c) noexcept {
+  while (n >= 8) {
+    std::uint64_t v;
+    std::memcpy(&v, p, 8);
+    c = __crc32cd(c, v);
+    p += 8;
+    n -= 8;
+  }
+  while (n-- > 0) c = __crc32cb(c, *p++);
+  return c;
+}
+bool detect_hardware() noexcept { return true; }
+#else
+std::uint32_t crc32c_hw(const std::uint8_t* p, std::size_t n, std::uint32_t c) noexcept {
+  return crc32c_software(p, n, c);
+}
+bool detect_hardware() noexcept { return false; }
+#endif
+
+}  // namespace
+
+bool crc32c_hardware() noexcept {
+  static const bool hardware = detect_hardware();
+  return hardware;
+}
+
+std::uint32_t crc32c(const void* data, std::size_t nbytes, std::uint32_t crc) noexcept {
+  const auto* p = static_cast<const std::uint8_t*>(data);
+  std::uint32_t c = ~crc;
+  c = crc32c_hardware() ? crc32c_hw(p, nbytes, c) : crc32c_software(p, nbytes, c);
+  return ~c;
+}
+
+}  // namespace pyshmckpt

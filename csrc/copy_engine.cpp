@@ -1,0 +1,205 @@
+#include "copy_engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "errors.h"
+#include "thread_pool.h"
+
+#ifdef PYSHMCKPT_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace pyshmckpt {
+
+void check_destinations(const Segment& segment, const CopyEntry* entries, std::size_t count) {
+  const std::uint64_t lo = segment.data_offset();
+  const std::uint64_t hi = segment.mapped_size();
+  for (std::size_t i = 0; i < count; ++i) {
+    const CopyEntry& e = entries[i];
+    if (e.nbytes == 0) continue;
+    if (e.dst < lo || e.dst > hi || e.nbytes > hi - e.dst) {
+      throw ArgumentError("copy entry " + std::to_string(i) + " writes [" + std::to_string(e.dst) +
+                          ", " + std::to_string(e.dst + e.nbytes) +
+                          ") outside the data region [" + std::to_string(lo) + ", " +
+                          std::to_string(hi) + ") of segment '" + segment.name() + "'");
+    }
+    if (e.src == 0) {
+      throw ArgumentError("copy entry " + std::to_string(i) + " has a null source pointer");
+    }
+  }
+}
+
+void copy_host(Segment& segment, const CopyEntry* entries, std::size_t count) {
+  if (segment.closed()) throw ArgumentError("segment '" + segment.name() + "' is closed");
+  check_destinations(segment, entries, count);
+  // Treat the batch as one stream of bytes and cut it into equal pieces; each piece copies the parts
+  // of the entries it overlaps. Prefix sums locate a piece's first entry by binary search.
+  std::vector<std::uint64_t> starts(count + 1, 0);
+  for (std::size_t i = 0; i < count; ++i) starts[i + 1] = starts[i] + entries[i].nbytes;
+  const std::uint64_t total = starts[count];
+  if (total == 0) return;
+  ThreadPool& pool = ThreadPool::instance();
+  const std::uint64_t wanted = total / (4 * pool.num_threads()) + 1;
+  const std::uint64_t piece = std::clamp<std::uint64_t>(wanted, 256u << 10, 64u << 20);
+  const std::size_t pieces = static_cast<std::size_t>((total + piece - 1) / piece);
+  std::uint8_t* base = segment.base();
+  pool.parallel_for(pieces, [&](std::size_t p) {
+    const std::uint64_t begin = p * piece;
+    const std::uint64_t end = std::min(total, begin + piece);
+    std::size_t i = static_cast<std::size_t>(
+        std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1);
+    for (std::uint64_t pos = begin; pos < end && i < count; ++i) {
+      const std::uint64_t entry_end = starts[i + 1];
+      if (entry_end <= pos) continue;
+      const std::uint64_t within = pos - starts[i];
+      const std::uint64_t len = std::min(entry_end, end) - pos;
+      std::memcpy(base + entries[i].dst + within,
+                  reinterpret_cast<const std::uint8_t*>(entries[i].src) + within, len);
+      pos += len;
+    }
+  });
+}
+
+HostCopy::HostCopy(Segment& segment, const CopyEntry* entries, std::size_t count)
+    : entries_(entries, entries + count) {
+  if (segment.closed()) throw ArgumentError("segment '" + segment.name() + "' is closed");
+  check_destinations(segment, entries_.data(), entries_.size());
+  thread_ = std::thread([this, &segment] {
+    try {
+      copy_host(segment, entries_.data(), entries_.size());
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+  });
+}
+
+HostCopy::~HostCopy() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void HostCopy::wait() {
+  if (!joined_) {
+    if (thread_.joinable()) thread_.join();
+    joined_ = true;
+  }
+  if (error_) std::rethrow_exception(error_);
+}
+
+#ifdef PYSHMCKPT_WITH_CUDA
+
+namespace {
+
+[[noreturn]] void throw_cuda(const char* call, cudaError_t rc) {
+  cudaGetLastError();
+  throw CudaError(std::string(call) + " failed: " + cudaGetErrorName(rc) + ": " +
+                  cudaGetErrorString(rc));
+}
+
+// Restores the caller's current device when it goes out of scope.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cudaError_t rc = cudaGetDevice(&previous_);
+    if (rc != cudaSuccess) throw_cuda("cudaGetDevice", rc);
+    if (previous_ != device) {
+      rc = cudaSetDevice(device);
+      if (rc != cudaSuccess) throw_cuda("cudaSetDevice", rc);
+    }
+    changed_ = previous_ != device;
+  }
+  ~DeviceGuard() {
+    if (changed_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+
+}  // namespace
+
+CopyEvent::~CopyEvent() {
+  if (event_ != nullptr) {
+    cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+    cudaGetLastError();
+  }
+}
+
+bool CopyEvent::query() {
+  cudaError_t rc = cudaEventQuery(static_cast<cudaEvent_t>(event_));
+  if (rc == cudaSuccess) return true;
+  if (rc == cudaErrorNotReady) {
+    cudaGetLastError();
+    return false;
+  }
+  throw_cuda("cudaEventQuery", rc);
+}
+
+bool CopyEvent::wait(double timeout_s) {
+  using clock = std::chrono::steady_clock;
+  const auto deadline = clock::now() + std::chrono::duration<double>(timeout_s);
+  auto pause = std::chrono::microseconds(5);
+  while (!query()) {
+    if (timeout_s >= 0 && clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  }
+  return true;
+}
+
+std::unique_ptr<CopyEvent> copy_device_async(Segment& segment, const CopyEntry* entries,
+                                             std::size_t count, std::uintptr_t stream, int device) {
+  if (segment.closed()) throw ArgumentError("segment '" + segment.name() + "' is closed");
+  check_destinations(segment, entries, count);
+  DeviceGuard guard(device);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  // A single copy must not span two separately registered chunks.
+  const std::uint64_t chunk = segment.pinned() ? segment.pin_chunk_bytes() : 0;
+  std::uint8_t* base = segment.base();
+  for (std::size_t i = 0; i < count; ++i) {
+    std::uint64_t dst = entries[i].dst;
+    std::uint64_t src = entries[i].src;
+    std::uint64_t left = entries[i].nbytes;
+    while (left > 0) {
+      std::uint64_t len = left;
+      if (chunk != 0) len = std::min(left, chunk - dst % chunk);
+      cudaError_t rc = cudaMemcpyAsync(base + dst, reinterpret_cast<const void*>(src), len,
+                                       cudaMemcpyDeviceToHost, s);
+      if (rc != cudaSuccess) throw_cuda("cudaMemcpyAsync", rc);
+      dst += len;
+      src += len;
+      left -= len;
+    }
+  }
+  cudaEvent_t event = nullptr;
+  cudaError_t rc = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+  if (rc != cudaSuccess) throw_cuda("cudaEventCreateWithFlags", rc);
+  rc = cudaEventRecord(event, s);
+  if (rc != cudaSuccess) {
+    cudaEventDestroy(event);
+    throw_cuda("cudaEventRecord", rc);
+  }
+  return std::make_unique<CopyEvent>(event, device);
+}
+
+#else
+
+CopyEvent::~CopyEvent() = default;
+bool CopyEvent::query() { return true; }
+bool CopyEvent::wait(double) { return true; }
+
+std::unique_ptr<CopyEvent> copy_device_async(Segment&, const CopyEntry*, std::size_t, std::uintptr_t,
+                                             int) {
+  throw CudaError("pyshmckpt was built without CUDA: device copies are not available");
+}
+
+#endif
+
+}  // namespace pyshmckpt

@@ -1,0 +1,78 @@
+// Copies batches of (source pointer, destination offset, nbytes) entries into a segment.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "segment.h"
+
+namespace pyshmckpt {
+
+struct CopyEntry {
+  std::uint64_t src;     // source address (host or device)
+  std::uint64_t dst;     // destination offset from the start of the segment's mapping
+  std::uint64_t nbytes;
+};
+
+// Checks that every destination lies in the segment's data region; throws ArgumentError naming the
+// first bad entry. Called before any byte is copied, so a bad batch copies nothing.
+void check_destinations(const Segment& segment, const CopyEntry* entries, std::size_t count);
+
+// Copies host entries with the process thread pool. Large entries are split across threads and
+// small ones are batched, so the work is balanced by bytes rather than by entry.
+// SAFETY: every `src` must be readable for `nbytes` bytes and stay alive and unmodified until this
+// returns; sources must not overlap the destinations.
+void copy_host(Segment& segment, const CopyEntry* entries, std::size_t count);
+
+// A host copy running on a background thread (which drives the thread pool), so that the caller
+// can do other work meanwhile. The entries are copied in; the segment must outlive this object.
+class HostCopy {
+ public:
+  HostCopy(Segment& segment, const CopyEntry* entries, std::size_t count);
+  ~HostCopy();
+  HostCopy(const HostCopy&) = delete;
+  HostCopy& operator=(const HostCopy&) = delete;
+
+  // Waits for the copy and rethrows its error, if any. Idempotent.
+  void wait();
+  bool done() const noexcept { return joined_; }
+
+ private:
+  std::vector<CopyEntry> entries_;
+  std::exception_ptr error_;
+  std::thread thread_;
+  bool joined_ = false;
+};
+
+// Completion of a batch of device-to-host copies.
+class CopyEvent {
+ public:
+  CopyEvent(void* event, int device) noexcept : event_(event), device_(device) {}
+  ~CopyEvent();
+  CopyEvent(const CopyEvent&) = delete;
+  CopyEvent& operator=(const CopyEvent&) = delete;
+
+  // True once every copy of the batch has completed; throws CudaError if one failed.
+  bool query();
+  // Waits up to `timeout_s` seconds (negative: no limit); true when complete.
+  bool wait(double timeout_s);
+  int device() const noexcept { return device_; }
+
+ private:
+  void* event_;
+  int device_;
+};
+
+// Issues cudaMemcpyAsync for every entry on `stream` (a cudaStream_t of `device`), splitting copies
+// at pinned-chunk boundaries, and records an event after the last one.
+// SAFETY: every `src` must be device memory readable for `nbytes` bytes that stays allocated until
+// the returned event completes; `stream` must be a live stream of `device` (0 means the legacy
+// default stream).
+std::unique_ptr<CopyEvent> copy_device_async(Segment& segment, const CopyEntry* entries,
+                                             std::size_t count, std::uintptr_t stream, int device);
+
+}  // namespace pyshmckpt

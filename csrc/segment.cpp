@@ -1,0 +1,324 @@
+#include "segment.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "errors.h"
+#include "pinning.h"
+#include "thread_pool.h"
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+namespace pyshmckpt {
+namespace {
+
+std::string errno_text(int err) { return std::strerror(err); }
+
+[[noreturn]] void throw_errno(const char* call, const std::string& name, int err = errno,
+                              const std::string& detail = "") {
+  throw SyscallError(err, call, name, detail.empty() ? errno_text(err) : detail);
+}
+
+std::string shm_path(const std::string& name) {
+  return name.empty() || name[0] == '/' ? name : "/" + name;
+}
+
+std::string bare_name(const std::string& name) {
+  return !name.empty() && name[0] == '/' ? name.substr(1) : name;
+}
+
+void random_bytes(std::uint8_t* out, std::size_t n) {
+  std::size_t got = 0;
+  while (got < n) {
+    ssize_t r = getrandom(out + got, n - got, 0);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      throw_errno("getrandom", "");
+    }
+    got += static_cast<std::size_t>(r);
+  }
+}
+
+std::string to_hex(const std::uint8_t* data, std::size_t n) {
+  static const char digits[] = "0123456789abcdef";
+  std::string out(2 * n, '0');
+  for (std::size_t i = 0; i < n; ++i) {
+    out[2 * i] = digits[data[i] >> 4];
+    out[2 * i + 1] = digits[data[i] & 15];
+  }
+  return out;
+}
+
+std::uint64_t process_start_ticks(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string content((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  // The command name (field 2) may contain spaces and parentheses; fields resume after the last ')'.
+  auto close_paren = content.rfind(')');
+  if (close_paren == std::string::npos) return 0;
+  std::istringstream rest(content.substr(close_paren + 2));
+  std::string field;
+  // After ')' come fields 3..; the start time is field 22, i.e. the 20th token here.
+  for (int i = 3; i <= 22; ++i) {
+    if (!(rest >> field)) return 0;
+  }
+  return std::strtoull(field.c_str(), nullptr, 10);
+}
+
+std::size_t page_size() {
+  static const std::size_t size = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  return size;
+}
+
+}  // namespace
+
+void populate_pages(std::uint8_t* ptr, std::size_t nbytes, const std::string& name) {
+  if (nbytes == 0) return;
+  const std::size_t page = page_size();
+  auto begin = reinterpret_cast<std::uintptr_t>(ptr) & ~(page - 1);
+  auto end = (reinterpret_cast<std::uintptr_t>(ptr) + nbytes + page - 1) & ~(page - 1);
+  const std::size_t total = end - begin;
+  ThreadPool& pool = ThreadPool::instance();
+  // Chunks small enough to balance across threads, large enough to amortize the syscall.
+  const std::size_t wanted = (total / (4 * pool.num_threads()) + page - 1) & ~(page - 1);
+  const std::size_t chunk = std::clamp<std::size_t>(wanted, page, 64u << 20);
+  const std::size_t count = (total + chunk - 1) / chunk;
+  std::atomic<int> failure{0};
+  std::atomic<bool> fallback{false};
+  pool.parallel_for(count, [&](std::size_t i) {
+    if (failure.load(std::memory_order_relaxed) != 0) return;
+    auto* start = reinterpret_cast<std::uint8_t*>(begin + i * chunk);
+    std::size_t len = std::min(chunk, total - i * chunk);
+    if (!fallback.load(std::memory_order_relaxed)) {
+      if (madvise(start, len, MADV_POPULATE_WRITE) == 0) return;
+      int err = errno;
+      if (err != EINVAL) {
+        failure.store(err);
+        return;
+      }
+      fallback.store(true);
+    }
+    // Kernels before 5.14: touch each page. The caller reserved the pages, so no SIGBUS here.
+    for (std::size_t off = 0; off < len; off += page) {
+      volatile std::uint8_t* p = start + off;
+      *p = *p;
+    }
+  });
+  int err = failure.load();
+  if (err == EFAULT || err == ENOMEM || err == ENOSPC) {
+    throw_errno("madvise(MADV_POPULATE_WRITE)", name, ENOSPC,
+                "not enough shared memory to allocate " + std::to_string(nbytes) + " bytes");
+  }
+  if (err != 0) throw_errno("madvise(MADV_POPULATE_WRITE)", name, err);
+}
+
+Segment Segment::create(std::size_t size, const std::string& prefix) {
+  if (size == 0) throw ArgumentError("segment size must be positive");
+  if (prefix.empty() || prefix.find('/') != std::string::npos) {
+    throw ArgumentError("segment prefix must be non-empty and contain no '/'");
+  }
+  const std::size_t page = page_size();
+  if (size > (SIZE_MAX - kHeaderSize) / 2) throw ArgumentError("segment size is too large");
+  size = (size + page - 1) / page * page;
+  const std::size_t mapped = size + kHeaderSize;
+
+  Segment seg;
+  seg.size_ = size;
+  seg.owner_ = true;
+  std::uint8_t token[kTokenSize];
+  for (int attempt = 0;; ++attempt) {
+    std::uint8_t nonce[16];
+    random_bytes(nonce, sizeof nonce);
+    seg.name_ = prefix + "-" + std::to_string(getpid()) + "-" + to_hex(nonce, sizeof nonce);
+    seg.fd_ = shm_open(shm_path(seg.name_).c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (seg.fd_ >= 0) break;
+    if (errno != EEXIST || attempt >= 8) throw_errno("shm_open", seg.name_);
+  }
+  random_bytes(token, sizeof token);
+
+  // From here on, any failure must remove what was created; the destructor does that.
+  struct statvfs vfs;
+  if (fstatvfs(seg.fd_, &vfs) == 0) {
+    const unsigned long long avail =
+        static_cast<unsigned long long>(vfs.f_bavail) * static_cast<unsigned long long>(vfs.f_frsize);
+    if (avail < mapped) {
+      throw_errno("fstatvfs", seg.name_, ENOSPC,
+                  "not enough shared memory: need " + std::to_string(mapped) + " bytes, " +
+                      std::to_string(avail) + " free");
+    }
+  }
+  if (ftruncate(seg.fd_, static_cast<off_t>(mapped)) != 0) throw_errno("ftruncate", seg.name_);
+  void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, seg.fd_, 0);
+  if (base == MAP_FAILED) throw_errno("mmap", seg.name_);
+  seg.base_ = static_cast<std::uint8_t*>(base);
+  populate_pages(seg.base_, mapped, seg.name_);
+
+  auto* header = reinterpret_cast<SegmentHeader*>(seg.base_);
+  std::memcpy(header->magic, kSegmentMagic, sizeof header->magic);
+  header->version = kSegmentVersion;
+  header->header_size = static_cast<std::uint32_t>(kHeaderSize);
+  header->size = size;
+  std::memcpy(header->token, token, sizeof token);
+  header->owner_pid = getpid();
+  header->owner_start_ticks = process_start_ticks(getpid());
+  return seg;
+}
+
+Segment Segment::attach(const std::string& name, std::size_t size, const std::string& token) {
+  if (token.size() != kTokenSize) {
+    throw ArgumentError("segment token must be " + std::to_string(kTokenSize) + " bytes");
+  }
+  Segment seg;
+  seg.name_ = bare_name(name);
+  if (seg.name_.empty() || seg.name_.find('/') != std::string::npos) {
+    throw ArgumentError("invalid segment name '" + name + "'");
+  }
+  seg.fd_ = shm_open(shm_path(seg.name_).c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (seg.fd_ < 0) throw_errno("shm_open", seg.name_);
+  struct stat st;
+  if (fstat(seg.fd_, &st) != 0) throw_errno("fstat", seg.name_);
+  if (st.st_uid != geteuid()) {
+    throw_errno("fstat", seg.name_, EACCES,
+                "segment is owned by uid " + std::to_string(st.st_uid) + ", not by uid " +
+                    std::to_string(geteuid()));
+  }
+  if ((st.st_mode & 077) != 0) {
+    throw_errno("fstat", seg.name_, EACCES, "segment is accessible to other users");
+  }
+  const std::size_t mapped = size + kHeaderSize;
+  if (static_cast<std::size_t>(st.st_size) != mapped) {
+    throw ArgumentError("segment '" + seg.name_ + "' holds " +
+                        std::to_string(st.st_size > static_cast<off_t>(kHeaderSize)
+                                           ? st.st_size - static_cast<off_t>(kHeaderSize)
+                                           : 0) +
+                        " data bytes, expected " + std::to_string(size));
+  }
+  void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, seg.fd_, 0);
+  if (base == MAP_FAILED) throw_errno("mmap", seg.name_);
+  seg.base_ = static_cast<std::uint8_t*>(base);
+  seg.size_ = size;
+  const auto* header = reinterpret_cast<const SegmentHeader*>(seg.base_);
+  if (std::memcmp(header->magic, kSegmentMagic, sizeof header->magic) != 0 ||
+      header->version != kSegmentVersion || header->header_size != kHeaderSize ||
+      header->size != size) {
+    throw ArgumentError("segment '" + seg.name_ + "' has no valid pyshmckpt header");
+  }
+  if (std::memcmp(header->token, token.data(), kTokenSize) != 0) {
+    throw ArgumentError("segment '" + seg.name_ + "' token does not match");
+  }
+  return seg;
+}
+
+Segment::Segment(Segment&& other) noexcept { *this = std::move(other); }
+
+Segment& Segment::operator=(Segment&& other) noexcept {
+  if (this != &other) {
+    close();
+    name_ = std::move(other.name_);
+    base_ = other.base_;
+    size_ = other.size_;
+    fd_ = other.fd_;
+    owner_ = other.owner_;
+    closed_ = other.closed_;
+    unlinked_ = other.unlinked_;
+    exports_ = other.exports_;
+    pinned_chunk_ = other.pinned_chunk_;
+    pin_error_ = std::move(other.pin_error_);
+    other.base_ = nullptr;
+    other.fd_ = -1;
+    other.closed_ = true;
+    other.unlinked_ = true;
+    other.exports_ = 0;
+    other.pinned_chunk_ = 0;
+  }
+  return *this;
+}
+
+Segment::~Segment() { close(); }
+
+std::string Segment::token() const {
+  require_open("token");
+  const auto* header = reinterpret_cast<const SegmentHeader*>(base_);
+  return std::string(reinterpret_cast<const char*>(header->token), kTokenSize);
+}
+
+void Segment::require_open(const char* what) const {
+  if (closed_ || base_ == nullptr) {
+    throw ArgumentError(std::string("cannot use ") + what + " of closed segment '" + name_ + "'");
+  }
+}
+
+void Segment::unlink() {
+  if (unlinked_ || name_.empty()) return;
+  if (shm_unlink(shm_path(name_).c_str()) != 0 && errno != ENOENT) throw_errno("shm_unlink", name_);
+  unlinked_ = true;
+}
+
+void Segment::release_mapping() noexcept {
+  if (base_ != nullptr) {
+    munmap(base_, mapped_size());
+    base_ = nullptr;
+  }
+}
+
+void Segment::close() noexcept {
+  if (closed_) return;
+  closed_ = true;
+  unpin();
+  if (owner_ && !unlinked_ && !name_.empty()) {
+    shm_unlink(shm_path(name_).c_str());
+    unlinked_ = true;
+  }
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+  }
+  if (exports_ == 0) release_mapping();
+}
+
+void Segment::acquire_export() {
+  require_open("the buffer");
+  ++exports_;
+}
+
+void Segment::release_export() noexcept {
+  if (exports_ > 0) --exports_;
+  if (closed_ && exports_ == 0) release_mapping();
+}
+
+bool Segment::pin(std::size_t chunk_bytes) {
+  require_open("pin");
+  if (pinned()) return true;
+  pin_error_.clear();
+  if (chunk_bytes == 0) throw ArgumentError("pin chunk size must be positive");
+  const std::size_t page = page_size();
+  chunk_bytes = std::max(page, chunk_bytes / page * page);
+  std::string error;
+  if (register_host_memory(base_, mapped_size(), chunk_bytes, &error)) {
+    pinned_chunk_ = chunk_bytes;
+    return true;
+  }
+  pin_error_ = error;
+  return false;
+}
+
+void Segment::unpin() noexcept {
+  if (pinned_chunk_ == 0 || base_ == nullptr) return;
+  unregister_host_memory(base_, mapped_size(), pinned_chunk_);
+  pinned_chunk_ = 0;
+}
+
+}  // namespace pyshmckpt

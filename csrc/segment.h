@@ -1,0 +1,96 @@
+// A named POSIX shared-memory segment: created by its owner, attached by name by other processes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace pyshmckpt {
+
+// First page of every segment. Attaching checks magic, version, size and token, so that a process
+// that merely guesses or reuses a name cannot be handed someone else's memory.
+struct SegmentHeader {
+  char magic[16];
+  std::uint32_t version;
+  std::uint32_t header_size;
+  std::uint64_t size;
+  std::uint8_t token[16];
+  std::int64_t owner_pid;
+  std::uint64_t owner_start_ticks;  // field 22 of /proc/<pid>/stat: tells PID reuse apart
+};
+
+constexpr char kSegmentMagic[16] = "PYSHMCKPT-SEG";
+constexpr std::uint32_t kSegmentVersion = 1;
+constexpr std::size_t kHeaderSize = 4096;
+constexpr std::size_t kTokenSize = 16;
+
+class Segment {
+ public:
+  // Creates a segment named "<prefix>-<pid>-<32 hex digits>" with mode 0600 and O_EXCL, holding
+  // `size` bytes after the header. Every page is allocated before this returns (in parallel), so a
+  // full /dev/shm is a SyscallError(ENOSPC) here and never a SIGBUS later.
+  static Segment create(std::size_t size, const std::string& prefix);
+  // Maps an existing segment. Checks that the caller's uid owns it, that it is not accessible to
+  // others, that its size and header match, and that its token equals `token`.
+  static Segment attach(const std::string& name, std::size_t size, const std::string& token);
+
+  Segment(Segment&& other) noexcept;
+  Segment& operator=(Segment&& other) noexcept;
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+  ~Segment();
+
+  // Removes the name; idempotent. Mappings stay valid until closed.
+  void unlink();
+  // Unpins, unlinks if this process created the segment, closes the descriptor and unmaps. The
+  // unmap waits until `release_export` has been called for every `acquire_export`. Idempotent.
+  void close() noexcept;
+
+  // Buffer-protocol bookkeeping: while exports are outstanding the mapping stays alive.
+  void acquire_export();
+  void release_export() noexcept;
+
+  const std::string& name() const noexcept { return name_; }
+  std::string token() const;                                   // raw 16 bytes
+  std::size_t size() const noexcept { return size_; }           // data bytes after the header
+  std::size_t mapped_size() const noexcept { return size_ + kHeaderSize; }
+  std::size_t data_offset() const noexcept { return kHeaderSize; }
+  std::uint8_t* base() const noexcept { return base_; }         // start of the mapping (header)
+  int fd() const noexcept { return fd_; }
+  bool owner() const noexcept { return owner_; }
+  bool closed() const noexcept { return closed_; }
+  bool unlinked() const noexcept { return unlinked_; }
+  std::size_t exports() const noexcept { return exports_; }
+
+  // Pins the mapping for CUDA (no-op result when built without CUDA or without a device).
+  bool pin(std::size_t chunk_bytes);
+  void unpin() noexcept;
+  bool pinned() const noexcept { return pinned_chunk_ > 0; }
+  std::size_t pin_chunk_bytes() const noexcept { return pinned_chunk_; }
+  const std::string& pin_error() const noexcept { return pin_error_; }
+
+ private:
+  Segment() = default;
+  void release_mapping() noexcept;
+  void require_open(const char* what) const;
+
+  std::string name_;
+  std::uint8_t* base_ = nullptr;
+  std::size_t size_ = 0;
+  int fd_ = -1;
+  bool owner_ = false;
+  bool closed_ = false;
+  bool unlinked_ = false;
+  std::size_t exports_ = 0;
+  std::size_t pinned_chunk_ = 0;
+  std::string pin_error_;
+};
+
+// Populates page tables (and allocates pages) for [ptr, ptr + nbytes) in parallel using
+// MADV_POPULATE_WRITE, falling back to touching one byte per page where the kernel lacks it.
+// SAFETY: `ptr` must point into a live, writable shared mapping of at least `nbytes` bytes that
+// nobody else is writing concurrently (the fallback writes bytes back unchanged).
+// Throws SyscallError(ENOSPC) when the backing filesystem cannot hold the pages.
+void populate_pages(std::uint8_t* ptr, std::size_t nbytes, const std::string& name);
+
+}  // namespace pyshmckpt

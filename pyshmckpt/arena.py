@@ -1,0 +1,240 @@
+"""An arena: one shared-memory segment split into slots, each with a torch storage over it.
+
+Slot life cycle (every transition is checked, also under ``python -O``)::
+
+    FREE -> STAGING -> READY -> WRITING -> FREE
+               |          \\-----------------> FREE   (released, or no longer referenced)
+               \\--------------------------> FREE     (staging failed)
+
+A READY slot is handed out as a staged state dict. It becomes FREE when its consumer releases it
+or when nothing in this process references its tensors any more. Device copies that may still be
+writing into a slot keep it from being reused until they complete.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import _C, knobs
+from .errors import PinningWarning, SlotsBusyError, SlotStateError, StagerClosedError
+
+if TYPE_CHECKING:
+    from .layout import Manifest
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    STAGING = "staging"
+    READY = "ready"
+    WRITING = "writing"
+
+
+_TRANSITIONS = {
+    SlotState.FREE: {SlotState.STAGING},
+    SlotState.STAGING: {SlotState.READY, SlotState.FREE},
+    SlotState.READY: {SlotState.WRITING, SlotState.FREE},
+    SlotState.WRITING: {SlotState.FREE},
+}
+
+
+def _use_count(storage: torch.UntypedStorage) -> int:
+    return int(torch._C._storage_Use_Count(storage._cdata))
+
+
+class Slot:
+    """One shared-memory segment holding one staged state dict at a time.
+
+    Data starts at byte `offset` of the segment. `storage` is a mapping of the whole segment made
+    by torch's own allocator from the segment's file descriptor, so torch's multiprocessing pickler
+    sends a staged state dict as this one descriptor instead of copying it.
+    """
+
+    def __init__(self, arena: Arena, index: int, capacity: int) -> None:
+        self.arena = arena
+        self.index = index
+        self.capacity = capacity
+        self.state = SlotState.FREE
+        self.generation = -1
+        self.manifest: Manifest | None = None
+        self.staged_id: int | None = None
+        self.pending: list[_C.CopyEvent] = []
+        self.segment = _C.Segment.create(capacity, knobs.segment_prefix())
+        try:
+            self.offset = int(self.segment.data_offset)
+            self.storage = torch.UntypedStorage._new_shared_fd_cpu(
+                self.segment.fd, self.segment.mapped_size
+            )
+        except BaseException:
+            self.segment.close()
+            raise
+        self._bases: dict[torch.dtype, torch.Tensor] = {}
+        self._baseline = _use_count(self.storage)
+
+    @property
+    def name(self) -> str:
+        return str(self.segment.name)
+
+    def base(self, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D tensor of `dtype` over the whole storage; staged tensors are views of these."""
+        base = self._bases.get(dtype)
+        if base is None:
+            count = self.segment.mapped_size // dtype.itemsize
+            base = torch.empty(0, dtype=dtype).set_(self.storage, 0, (count,), (1,))
+            self._bases[dtype] = base
+            self._baseline += 1  # the base's own reference to the storage
+        return base
+
+    def referenced(self) -> bool:
+        """True while any tensor (or storage object) outside the arena views this slot's storage."""
+        return _use_count(self.storage) > self._baseline
+
+    def copies_pending(self) -> bool:
+        self.pending = [event for event in self.pending if not event.query()]
+        return bool(self.pending)
+
+    def close(self) -> None:
+        """Unpin, unlink and unmap our mapping; torch's mapping lives while tensors view it."""
+        for event in self.pending:  # device copies must not land in unmapped memory
+            event.wait(knobs.device_copy_timeout())
+        self.pending = []
+        self._bases.clear()
+        self.segment.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"<Slot {self.index} {self.name} {self.state.value} "
+            f"generation={self.generation} capacity={self.capacity}>"
+        )
+
+
+class Arena:
+    """`num_slots` slots of `slot_capacity` bytes each, created (and pinned) together.
+
+    Creating an arena allocates and faults in every page, and page-locks them for CUDA when `pin`
+    is True (or None and CUDA is available); this is the expensive step, and it happens once.
+    """
+
+    def __init__(
+        self, slot_capacity: int, num_slots: int = 2, *, pin: bool | None = None
+    ) -> None:
+        if not isinstance(slot_capacity, int) or isinstance(slot_capacity, bool):
+            raise TypeError(f"slot_capacity must be an int, not {type(slot_capacity).__name__}")
+        if not isinstance(num_slots, int) or isinstance(num_slots, bool):
+            raise TypeError(f"num_slots must be an int, not {type(num_slots).__name__}")
+        if slot_capacity <= 0:
+            raise ValueError(f"slot_capacity must be positive, not {slot_capacity}")
+        if num_slots <= 0:
+            raise ValueError(f"num_slots must be positive, not {num_slots}")
+        granularity = knobs.slot_granularity()
+        self.slot_capacity = -(-slot_capacity // granularity) * granularity
+        self.pin_error = ""
+        if pin is None:
+            from .cuda import cuda_available
+
+            pin = cuda_available()
+        self.slots: list[Slot] = []
+        try:
+            for i in range(num_slots):
+                slot = Slot(self, i, self.slot_capacity)
+                self.slots.append(slot)
+                if pin and not slot.segment.pin(knobs.pin_chunk_bytes()):
+                    self.pin_error = self.pin_error or slot.segment.pin_error
+            if self.pin_error:
+                warnings.warn(
+                    f"shared-memory arena {self.name} could not be pinned for CUDA "
+                    f"({self.pin_error}); device-to-host staging will be slower",
+                    PinningWarning,
+                    stacklevel=3,
+                )
+        except BaseException:
+            for slot in self.slots:
+                slot.close()
+            raise
+        self._cond = threading.Condition()
+        self.closed = False
+
+    @property
+    def name(self) -> str:
+        return self.slots[0].name if self.slots else "<empty arena>"
+
+    @property
+    def pinned(self) -> bool:
+        return all(slot.segment.pinned for slot in self.slots)
+
+    def transition(self, slot: Slot, state: SlotState) -> None:
+        with self._cond:
+            if state not in _TRANSITIONS[slot.state]:
+                raise SlotStateError(
+                    f"slot {slot.index} of {self.name} cannot go from {slot.state.value} "
+                    f"to {state.value}"
+                )
+            slot.state = state
+            if state is SlotState.FREE:
+                slot.manifest = None
+                slot.staged_id = None
+                self._cond.notify_all()
+
+    def _available(self, slot: Slot) -> bool:
+        if slot.state is SlotState.READY and not slot.referenced():
+            # Nobody holds the staged tensors any more: the slot is free again.
+            slot.state = SlotState.FREE
+            slot.manifest = None
+            slot.staged_id = None
+        return slot.state is SlotState.FREE and not slot.copies_pending()
+
+    def acquire(self, generation: int, timeout: float) -> Slot:
+        """Take a free slot into STAGING, waiting up to `timeout` seconds for one to free up."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self.closed:
+                    raise StagerClosedError(f"arena {self.name} is closed")
+                for slot in self.slots:
+                    if self._available(slot):
+                        slot.state = SlotState.STAGING
+                        slot.generation = generation
+                        return slot
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    states = ", ".join(s.state.value for s in self.slots)
+                    raise SlotsBusyError(
+                        f"no free slot among {len(self.slots)} after {timeout:.3g}s (slots: {states}); "
+                        "staged state dicts that are still referenced, or still being written, "
+                        "keep their slots: drop them or release() them"
+                    )
+                # Releases notify at once; dropped references are noticed on the next check.
+                self._cond.wait(min(remaining, 0.005))
+
+    def find(self, staged_id: int) -> Slot | None:
+        with self._cond:
+            for slot in self.slots:
+                if slot.staged_id == staged_id and slot.state in (SlotState.READY, SlotState.WRITING):
+                    return slot
+        return None
+
+    def idle(self) -> bool:
+        """True when no slot is staging, being written, referenced or receiving copies."""
+        with self._cond:
+            return all(self._available(slot) for slot in self.slots)
+
+    def close(self) -> None:
+        """Unpin, unlink and unmap. Staged tensors still referenced keep their own mapping."""
+        with self._cond:
+            if self.closed:
+                return
+            self.closed = True
+            self._cond.notify_all()
+        for slot in self.slots:
+            slot.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"<Arena {self.name} slots={len(self.slots)} slot_capacity={self.slot_capacity} "
+            f"pinned={self.pinned}{' closed' if self.closed else ''}>"
+        )

@@ -1,0 +1,40 @@
+"""Exception types. Each also derives from the builtin a caller would catch for that situation."""
+
+from __future__ import annotations
+
+
+class PyshmckptError(Exception):
+    """Base class of every error pyshmckpt raises on purpose."""
+
+
+class UnsupportedValueError(PyshmckptError, TypeError):
+    """A tensor or leaf in the state dict cannot be staged; the message names its key path."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class CapacityError(PyshmckptError, RuntimeError):
+    """A state dict does not fit its slot and the arena is not allowed to grow."""
+
+
+class SlotsBusyError(PyshmckptError, RuntimeError):
+    """No slot became free within the timeout: every slot holds staged data still in use."""
+
+
+class SlotStateError(PyshmckptError, RuntimeError):
+    """An illegal slot transition was requested (a bug in the caller or in pyshmckpt)."""
+
+
+class StagerClosedError(PyshmckptError, RuntimeError):
+    """The stager (or arena) was used after close()."""
+
+
+class StagingTimeoutError(PyshmckptError, TimeoutError):
+    """Device-to-host copies did not complete within the timeout."""
+
+
+class PinningWarning(UserWarning):
+    """The arena could not be page-locked for CUDA; staging still works, more slowly."""

@@ -1,0 +1,85 @@
+"""Tunables, each with a documented environment override (read when the value is needed)."""
+
+from __future__ import annotations
+
+import os
+
+_MIB = 1 << 20
+
+
+def _env_int(name: str, default: int, minimum: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw, 0)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be at least {minimum}")
+    return value
+
+
+def _env_float(name: str, default: float, minimum: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be at least {minimum}")
+    return value
+
+
+def slots() -> int:
+    """PYSHMCKPT_SLOTS: slots per arena (default 2: stage step N+1 while step N is persisted)."""
+    return _env_int("PYSHMCKPT_SLOTS", 2, 1)
+
+
+def headroom() -> float:
+    """PYSHMCKPT_HEADROOM: slot size over the first state dict's size when sizing (default 1.25)."""
+    return _env_float("PYSHMCKPT_HEADROOM", 1.25, 1.0)
+
+
+def alignment() -> int:
+    """PYSHMCKPT_ALIGNMENT: byte alignment of every staged storage block (default 64)."""
+    value = _env_int("PYSHMCKPT_ALIGNMENT", 64, 16)
+    if value & (value - 1):
+        raise ValueError(f"PYSHMCKPT_ALIGNMENT={value} must be a power of two")
+    return value
+
+
+def slot_granularity() -> int:
+    """PYSHMCKPT_SLOT_GRANULARITY: slot sizes are rounded up to this many bytes (default 2 MiB)."""
+    return _env_int("PYSHMCKPT_SLOT_GRANULARITY", 2 * _MIB, 4096)
+
+
+def pin_chunk_bytes() -> int:
+    """PYSHMCKPT_PIN_CHUNK_BYTES: bytes per cudaHostRegister call (default 1 GiB)."""
+    return _env_int("PYSHMCKPT_PIN_CHUNK_BYTES", 1024 * _MIB, 4096)
+
+
+def slot_timeout() -> float:
+    """PYSHMCKPT_SLOT_TIMEOUT: seconds stage() waits for a busy slot to be freed (default 60)."""
+    return _env_float("PYSHMCKPT_SLOT_TIMEOUT", 60.0, 0.0)
+
+
+def device_copy_timeout() -> float:
+    """PYSHMCKPT_DEVICE_COPY_TIMEOUT: seconds to wait for device-to-host copies (default 300)."""
+    return _env_float("PYSHMCKPT_DEVICE_COPY_TIMEOUT", 300.0, 0.0)
+
+
+def segment_prefix() -> str:
+    """PYSHMCKPT_SEGMENT_PREFIX: name prefix of our /dev/shm segments (default "pyshmckpt")."""
+    prefix = os.environ.get("PYSHMCKPT_SEGMENT_PREFIX") or "pyshmckpt"
+    if "/" in prefix:
+        raise ValueError(f"PYSHMCKPT_SEGMENT_PREFIX={prefix!r} must not contain '/'")
+    return prefix
+
+
+def copy_threads() -> int | None:
+    """PYSHMCKPT_THREADS: threads for copies and prefaulting (default: min(cores, 8))."""
+    raw = os.environ.get("PYSHMCKPT_THREADS")
+    return _env_int("PYSHMCKPT_THREADS", 1, 1) if raw else None

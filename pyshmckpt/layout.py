@@ -1,0 +1,491 @@
+"""Lay a nested state dict out in a slot, and rebuild it from a slot.
+
+`plan()` walks dict/list/tuple containers, validates every tensor, groups tensors that share a
+storage and assigns each storage one aligned block of the slot. The result is a `Manifest` (what
+crosses to the writer: structure, leaves, per-tensor dtype/shape/stride/offset) plus the copy
+entries that fill the slot. `rebuild()` turns a manifest and a storage back into the same
+structure, with tensors that share a source storage again sharing one block.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import knobs
+from .errors import UnsupportedValueError
+
+# Node kinds of the structure tree. A tensor is a bare int (its index: ints are not tracked by the
+# garbage collector, which matters with thousands of tensors); any other node is a tuple whose
+# first item is its kind.
+DICT, ORDERED_DICT, DEFAULT_DICT, MAPPING, LIST, SEQUENCE, TUPLE, NAMED_TUPLE, LEAF = range(9)
+
+# Leaves that are immutable and so need no copy to be a snapshot.
+_ATOMIC = (
+    type(None), bool, int, float, complex, str, bytes, range, torch.dtype, torch.device,
+    torch.Size, torch.layout, torch.memory_format, type,
+)  # fmt: skip
+
+DTYPES: dict[str, torch.dtype] = {
+    str(value).removeprefix("torch."): value
+    for value in vars(torch).values()
+    if isinstance(value, torch.dtype)
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """One distinct tensor: where its element 0 lies in the slot and how to view it."""
+
+    path: tuple[Any, ...]  # key path of its first occurrence
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]  # in elements
+    offset: int  # bytes from the slot start to element 0 of the view
+    nbytes: int  # numel * itemsize
+    block: int  # index into Manifest.blocks; -1 for a tensor without elements
+    parameter: bool = False  # restore as torch.nn.Parameter
+    requires_grad: bool = False
+
+
+PARAMETER = 1
+REQUIRES_GRAD = 2
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Manifest:
+    """Everything needed to rebuild a staged state dict from its slot's bytes.
+
+    Per-tensor data is stored column-wise in numpy arrays (tensor i is row i), so that a manifest
+    of thousands of tensors pickles in well under a millisecond. ``entry(i)`` gives one row as a
+    TensorEntry. Offsets are bytes from the slot start.
+    """
+
+    tree: Any  # containers, keys and leaves as tuples; the int i where tensor i goes
+    dtypes: tuple[str, ...]  # dtype names; the `dtype` column indexes this
+    dtype: np.ndarray  # (n,) int16
+    ndim: np.ndarray  # (n,) int16
+    shapes: np.ndarray  # (sum of ndim,) int64, all shapes concatenated
+    strides: np.ndarray  # (sum of ndim,) int64, in elements
+    offset: np.ndarray  # (n,) int64, bytes from the slot start to element 0 of the view
+    nbytes: np.ndarray  # (n,) int64, numel * itemsize
+    block: np.ndarray  # (n,) int64, row of `blocks`; -1 for tensors without elements
+    flags: np.ndarray  # (n,) uint8, PARAMETER | REQUIRES_GRAD
+    blocks: np.ndarray  # (m, 2) int64: offset, nbytes of each staged storage block
+    size: int  # bytes of the slot in use (end of the last block)
+
+    def __len__(self) -> int:
+        return len(self.offset)
+
+    def paths(self) -> list[tuple[Any, ...]]:
+        """Key path of the first occurrence of every tensor, in tensor order."""
+        out: list[tuple[Any, ...] | None] = [None] * len(self)
+        _collect_paths(self.tree, (), out)
+        return out  # type: ignore[return-value]
+
+    def entries(self) -> list[TensorEntry]:
+        """Every tensor as a TensorEntry (convenient, slower than the columns)."""
+        paths = self.paths()
+        ndim = self.ndim.tolist()
+        shapes = self.shapes.tolist()
+        strides = self.strides.tolist()
+        offsets = self.offset.tolist()
+        nbytes = self.nbytes.tolist()
+        blocks = self.block.tolist()
+        flags = self.flags.tolist()
+        dtypes = [self.dtypes[c] for c in self.dtype.tolist()]
+        out = []
+        pos = 0
+        for i in range(len(self)):
+            end = pos + ndim[i]
+            out.append(
+                TensorEntry(
+                    paths[i], dtypes[i], tuple(shapes[pos:end]), tuple(strides[pos:end]),
+                    offsets[i], nbytes[i], blocks[i],
+                    bool(flags[i] & PARAMETER), bool(flags[i] & REQUIRES_GRAD),
+                )  # fmt: skip
+            )
+            pos = end
+        return out
+
+    def entry(self, i: int) -> TensorEntry:
+        """Row `i` as a TensorEntry (walks the tree for its path)."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"tensor index {i} out of range for {len(self)} tensors")
+        pos = int(self.ndim[:i].sum())
+        end = pos + int(self.ndim[i])
+        flags = int(self.flags[i])
+        return TensorEntry(
+            self.paths()[i], self.dtypes[int(self.dtype[i])],
+            tuple(self.shapes[pos:end].tolist()), tuple(self.strides[pos:end].tolist()),
+            int(self.offset[i]), int(self.nbytes[i]), int(self.block[i]),
+            bool(flags & PARAMETER), bool(flags & REQUIRES_GRAD),
+        )  # fmt: skip
+
+
+@dataclasses.dataclass
+class StagingPlan:
+    """A manifest plus what fills the slot: byte copies and gathers of non-dense tensors.
+
+    Offsets in `host` and `device` entries are relative to the slot start. The plan holds the
+    source tensors, so their memory stays alive while the plan does.
+    """
+
+    manifest: Manifest
+    host: np.ndarray  # (n, 3) uint64: source address, offset in slot, nbytes
+    device: dict[int, np.ndarray]  # CUDA device index -> (n, 3) entries as above
+    gathers: list[tuple[int, torch.Tensor]]  # (tensor index, source) copied by torch
+    sources: list[torch.Tensor]
+
+
+def _collect_paths(node: Any, path: tuple[Any, ...], out: list[Any]) -> None:
+    if type(node) is int:
+        if out[node] is None:
+            out[node] = path
+        return
+    kind = node[0]
+    if kind == LEAF:
+        return
+    elif kind <= MAPPING:
+        for key, child in zip(node[1], node[2]):
+            _collect_paths(child, (*path, key), out)
+    else:
+        for i, child in enumerate(node[1]):
+            _collect_paths(child, (*path, i), out)
+
+
+def format_path(path: tuple[Any, ...]) -> str:
+    return "state_dict" + "".join(f"[{key!r}]" for key in path)
+
+
+class _Invalid(Exception):
+    """Raised inside the walk; plan() turns it into UnsupportedValueError with the key path."""
+
+    def __init__(self, obj: Any, reason: str) -> None:
+        super().__init__(reason)
+        self.obj = obj
+        self.reason = reason
+
+
+def _tensor_problem(t: torch.Tensor) -> str | None:
+    cls = type(t)
+    if cls is not torch.Tensor and cls is not torch.nn.Parameter:
+        return (
+            f"tensor subclass {cls.__module__}.{cls.__qualname__} cannot be staged; "
+            "convert it to a plain tensor first"
+        )
+    if t.is_nested:
+        return "nested (jagged) tensors cannot be staged"
+    if t.layout is not torch.strided:
+        return f"tensors with layout {t.layout} (sparse or opaque) cannot be staged"
+    if t.is_quantized:
+        return "quantized tensors cannot be staged"
+    if not (t.is_cpu or t.is_cuda):
+        if t.is_meta:
+            return "meta tensors have no data to stage"
+        return f"tensors on device {t.device} cannot be staged (only cpu and cuda)"
+    return None
+
+
+class _Walker:
+    """Builds the structure tree and collects distinct tensors (by identity) in visiting order.
+
+    Raises _Invalid for the first value that cannot be staged; key paths are only worked out then,
+    so the common case pays nothing for them.
+    """
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.index: dict[int, int] = {}
+        self.active: set[int] = set()
+        self.memo: dict[int, Any] = {}
+
+    def walk(self, obj: Any) -> Any:
+        cls = type(obj)
+        if cls is torch.Tensor or isinstance(obj, torch.Tensor):
+            i = self.index.get(id(obj))
+            if i is None:
+                problem = _tensor_problem(obj)
+                if problem is not None:
+                    raise _Invalid(obj, problem)
+                i = len(self.tensors)
+                self.index[id(obj)] = i
+                self.tensors.append(obj)
+            return i
+        if cls in _ATOMIC:
+            return (LEAF, obj)
+        if (
+            isinstance(obj, (dict, list))
+            or cls is tuple
+            or (isinstance(obj, tuple) and hasattr(cls, "_fields"))
+        ):
+            return self._container(obj, cls)
+        try:
+            return (LEAF, copy.deepcopy(obj, self.memo))
+        except Exception as exc:
+            raise _Invalid(obj, f"value of type {cls.__qualname__} cannot be copied: {exc}") from exc
+
+    def _container(self, obj: Any, cls: type) -> tuple[Any, ...]:
+        key = id(obj)
+        if key in self.active:
+            raise _Invalid(obj, "the state dict contains a reference cycle")
+        self.active.add(key)
+        walk = self.walk
+        try:
+            if isinstance(obj, dict):
+                keys = tuple(obj)
+                children = tuple([walk(v) for v in obj.values()])
+                if cls is dict:
+                    return (DICT, keys, children)
+                if cls is collections.OrderedDict:
+                    return (ORDERED_DICT, keys, children)
+                if cls is collections.defaultdict:
+                    return (DEFAULT_DICT, keys, children, obj.default_factory)
+                return (MAPPING, keys, children, cls)
+            children = tuple([walk(v) for v in obj])
+            if cls is list:
+                return (LIST, children)
+            if cls is tuple:
+                return (TUPLE, children)
+            if isinstance(obj, tuple):
+                return (NAMED_TUPLE, children, cls)
+            return (SEQUENCE, children, cls)
+        finally:
+            self.active.discard(key)
+
+
+def _find_path(obj: Any, target: Any, path: tuple[Any, ...], seen: set[int]) -> tuple[Any, ...] | None:
+    """Key path of the first occurrence of `target` (by identity) below `obj`."""
+    if obj is target:
+        return path
+    if isinstance(obj, torch.Tensor) or id(obj) in seen:
+        return None
+    if isinstance(obj, dict):
+        items: Any = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    else:
+        return None
+    seen.add(id(obj))
+    for key, value in items:
+        found = _find_path(value, target, (*path, key), seen)
+        if found is not None:
+            return found
+    return None
+
+
+def plan(state_dict: Any) -> StagingPlan:
+    """Validate `state_dict` and lay it out; raises UnsupportedValueError before any copy."""
+    walker = _Walker()
+    try:
+        tree = walker.walk(state_dict)
+    except _Invalid as bad:
+        path = _find_path(state_dict, bad.obj, (), set())
+        raise UnsupportedValueError(format_path(path or ()), bad.reason) from bad.__cause__
+    tensors = walker.tensors
+    n = len(tensors)
+    align = knobs.alignment()
+
+    # Attributes, one column at a time: a comprehension per attribute is the cheapest way to read
+    # thousands of tensors from Python.
+    dtypes = [t.dtype for t in tensors]
+    dtype_codes = {dtype: code for code, dtype in enumerate(dict.fromkeys(dtypes))}
+    code = np.fromiter([dtype_codes[d] for d in dtypes], dtype=np.int16, count=n)
+    itemsize = np.array([d.itemsize for d in dtype_codes], dtype=np.int64)[code] if n else np.zeros(0, np.int64)
+    shapes = [t.shape for t in tensors]
+    strides = [t.stride() for t in tensors]
+    numel = np.fromiter([t.numel() for t in tensors], dtype=np.int64, count=n)
+    start = np.fromiter([t.storage_offset() for t in tensors], dtype=np.int64, count=n) * itemsize
+    storage = np.fromiter(
+        [t.untyped_storage().data_ptr() for t in tensors], dtype=np.uint64, count=n
+    )
+    device = np.fromiter([t.get_device() for t in tensors], dtype=np.int64, count=n)
+    plain = np.fromiter(
+        [t.is_contiguous() and not t.is_conj() and not t.is_neg() for t in tensors],
+        dtype=bool,
+        count=n,
+    )
+    Parameter = torch.nn.Parameter
+    flags = np.fromiter(
+        [(type(t) is Parameter) | (t.requires_grad << 1) for t in tensors], dtype=np.uint8, count=n
+    )
+    nbytes = numel * itemsize
+    extent = nbytes.copy()  # bytes from element 0 to one past the last reachable byte
+    gather = np.zeros(n, dtype=bool)
+    for i in np.flatnonzero(~plain & (numel > 0)).tolist():
+        t = tensors[i]
+        size = int(itemsize[i])
+        extent[i] = size + sum((d - 1) * s * size for d, s in zip(shapes[i], strides[i]))
+        # Gaps between elements, or a lazy conjugate/negation: copy the elements densely.
+        gather[i] = extent[i] > nbytes[i] or t.is_conj() or t.is_neg()
+
+    # Tensors sharing a storage (tied weights, views) are staged once, as one block spanning every
+    # byte any of them reaches; gathered tensors get a block each. Blocks keep first-seen order.
+    has_data = numel > 0
+    group_key = storage.copy()
+    group_key[gather] = np.uint64(1) << np.uint64(63) | np.flatnonzero(gather).astype(np.uint64)
+    staged = np.flatnonzero(has_data)
+    keys, first, inverse = np.unique(group_key[staged], return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")  # group ids in order of first appearance
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    group = rank[inverse.reshape(-1)]  # group (= block) id of each tensor in `staged`
+    m = len(keys)
+    # Blocks start 16-byte aligned within their storage, so members of different dtypes keep
+    # their alignment relative to each other.
+    lo = np.full(m, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(lo, group, start[staged])
+    lo &= ~np.int64(15)
+    hi = np.zeros(m, dtype=np.int64)
+    np.maximum.at(hi, group, (start + extent)[staged])
+    is_gather = gather[staged]
+    first_member = staged[first[order]]
+    lo[gather[first_member]] = start[first_member][gather[first_member]]
+    block_bytes = np.where(gather[first_member], nbytes[first_member], hi - lo)
+    padded = (block_bytes + align - 1) & ~np.int64(align - 1)
+    block_offset = np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(np.int64)
+    size = int(block_offset[-1] + block_bytes[-1]) if m else 0
+
+    offset = np.zeros(n, dtype=np.int64)
+    block = np.full(n, -1, dtype=np.int64)
+    block[staged] = group
+    offset[staged] = np.where(
+        is_gather, block_offset[group], block_offset[group] + start[staged] - lo[group]
+    )
+
+    flat_shapes = [d for shape in shapes for d in shape]
+    flat_strides = [s for stride in strides for s in stride]
+    ndim = np.fromiter([len(s) for s in shapes], dtype=np.int16, count=n)
+    gathers = []
+    if gather.any():
+        positions = np.concatenate([[0], np.cumsum(ndim, dtype=np.int64)[:-1]]).tolist()
+        for i in np.flatnonzero(gather).tolist():
+            pos = positions[i]
+            dense = contiguous_stride(tuple(shapes[i]))
+            flat_strides[pos : pos + len(dense)] = dense
+            gathers.append((i, tensors[i]))
+
+    raw = ~gather[first_member]
+    rows = np.stack(
+        [storage[first_member] + lo.astype(np.uint64), block_offset.astype(np.uint64), block_bytes.astype(np.uint64)],
+        axis=1,
+    )[raw] if m else np.empty((0, 3), dtype=np.uint64)
+    block_device = device[first_member][raw]
+    host = np.ascontiguousarray(rows[block_device < 0])
+    devices = {
+        int(d): np.ascontiguousarray(rows[block_device == d]) for d in np.unique(block_device[block_device >= 0])
+    }
+
+    manifest = Manifest(
+        tree=tree,
+        dtypes=tuple(dtype_name(d) for d in dtype_codes),
+        dtype=code,
+        ndim=ndim,
+        shapes=np.array(flat_shapes, dtype=np.int64),
+        strides=np.array(flat_strides, dtype=np.int64),
+        offset=offset,
+        nbytes=nbytes,
+        block=block,
+        flags=flags,
+        blocks=np.stack([block_offset, block_bytes], axis=1) if m else np.empty((0, 2), np.int64),
+        size=size,
+    )
+    return StagingPlan(manifest=manifest, host=host, device=devices, gathers=gathers, sources=tensors)
+
+
+def _entry_array(rows: list[tuple[int, int, int]]) -> np.ndarray:
+    if not rows:
+        return np.empty((0, 3), dtype=np.uint64)
+    return np.array(rows, dtype=np.uint64)
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride = []
+    step = 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def make_tensors(
+    manifest: Manifest, base: Callable[[int, torch.dtype], tuple[torch.Tensor, int]]
+) -> list[torch.Tensor]:
+    """Create the manifest's tensors as views of base tensors.
+
+    ``base(block, dtype)`` returns a 1-D tensor of `dtype` and the byte offset, relative to the
+    slot start, of its element 0 (block is -1 for tensors without elements).
+    """
+    dtypes = [DTYPES[name] for name in manifest.dtypes]
+    ndim = manifest.ndim.tolist()
+    shapes = manifest.shapes.tolist()
+    strides = manifest.strides.tolist()
+    offsets = manifest.offset.tolist()
+    blocks = manifest.block.tolist()
+    flags = manifest.flags.tolist()
+    out = []
+    pos = 0
+    with torch.no_grad():
+        for i, code in enumerate(manifest.dtype.tolist()):
+            dtype = dtypes[code]
+            end = pos + ndim[i]
+            origin_tensor, origin = base(blocks[i], dtype)
+            elements = (offsets[i] - origin) // dtype.itemsize if blocks[i] >= 0 else 0
+            t = origin_tensor.as_strided(shapes[pos:end], strides[pos:end], elements)
+            pos = end
+            if flags[i]:
+                if flags[i] & PARAMETER:
+                    t = torch.nn.Parameter(t, requires_grad=bool(flags[i] & REQUIRES_GRAD))
+                else:
+                    t.requires_grad_(True)
+            out.append(t)
+    return out
+
+
+def rebuild(manifest: Manifest, bases: Callable[[torch.dtype], torch.Tensor], slot_offset: int) -> Any:
+    """Rebuild the staged structure with tensors viewing one storage.
+
+    ``bases(dtype)`` returns a 1-D tensor of `dtype` over the whole storage, in which the slot
+    starts at byte `slot_offset`. Tensors that came from one source storage view one block, so
+    they alias again; a tensor that appeared several times comes back as one object.
+    """
+    tensors = make_tensors(manifest, lambda _block, dtype: (bases(dtype), -slot_offset))
+    return build(manifest.tree, tensors)
+
+
+def build(node: Any, tensors: list[torch.Tensor]) -> Any:
+    """The structure of `node` with tensor references replaced by `tensors[i]`."""
+    if type(node) is int:
+        return tensors[node]
+    kind = node[0]
+    if kind == LEAF:
+        return node[1]
+    if kind <= MAPPING:
+        values = [build(child, tensors) for child in node[2]]
+        if kind == DICT:
+            return dict(zip(node[1], values))
+        if kind == ORDERED_DICT:
+            return collections.OrderedDict(zip(node[1], values))
+        if kind == DEFAULT_DICT:
+            out: collections.defaultdict[Any, Any] = collections.defaultdict(node[3])
+            out.update(zip(node[1], values))
+            return out
+        return node[3](zip(node[1], values))
+    values = [build(child, tensors) for child in node[1]]
+    if kind == LIST:
+        return values
+    if kind == TUPLE:
+        return tuple(values)
+    if kind == NAMED_TUPLE:
+        return node[2](*values)
+    return node[2](values)

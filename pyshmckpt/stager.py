@@ -1,0 +1,343 @@
+"""ShmStager: stages state dicts into shared-memory slots (PyTorch's stager protocols)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _C, knobs, layout
+from .arena import Arena, Slot, SlotState
+from .cuda import SideStreams
+from .errors import CapacityError, StagerClosedError, StagingTimeoutError
+
+try:  # DCP's protocol (torch >= 2.4)
+    from torch.distributed.checkpoint.staging import AsyncStager as _AsyncStager
+except ImportError:  # pragma: no cover - torch built without distributed
+    _AsyncStager = object  # type: ignore[assignment,misc]
+try:  # the _experimental checkpointer's protocol (newer torch only)
+    from torch.distributed.checkpoint._experimental.staging import (
+        CheckpointStager as _CheckpointStager,
+    )
+except ImportError:  # pragma: no cover - older torch
+    _CheckpointStager = object  # type: ignore[assignment,misc]
+
+_bases = tuple(dict.fromkeys(b for b in (_CheckpointStager, _AsyncStager) if b is not object))
+
+
+class StagedHandle:
+    """Where a staged state dict lives: its arena, slot, generation and manifest."""
+
+    __slots__ = ("arena", "slot", "generation", "manifest")
+
+    def __init__(self, slot: Slot) -> None:
+        self.arena = slot.arena
+        self.slot = slot
+        self.generation = slot.generation
+        if slot.manifest is None:
+            raise StagerClosedError("the slot holds no staged state dict")
+        self.manifest = slot.manifest
+
+
+class ShmStager(*_bases):  # type: ignore[misc]
+    """Stage state dicts into a ring of shared-memory slots.
+
+    ``stage(state_dict)`` copies every tensor (CPU: thread pool, GIL released; CUDA: batched
+    device-to-host copies on a side stream) into a free slot and returns the same structure with
+    CPU tensors that view the slot: one torch shared storage per slot, so torch's multiprocessing
+    pickler sends a whole slot as a single file descriptor. The result is a snapshot: changing the
+    source afterwards changes nothing in it.
+
+    Args:
+        capacity_bytes: bytes per slot. Given, the arena is created, faulted in and pinned here,
+            so the first stage costs what later ones do. None: sized from the first state dict
+            with ``headroom``.
+        slots: slots in the ring (default 2, ``PYSHMCKPT_SLOTS``).
+        async_staging: return a Future from stage(); copies run on a background thread.
+        allow_growth: when a state dict outgrows its slot, move to a larger arena (the old one is
+            freed once none of its slots is in use) instead of raising CapacityError.
+        pin: page-lock the arena for CUDA; None pins when CUDA is available.
+        slot_timeout: seconds stage() waits for a busy slot (default 60,
+            ``PYSHMCKPT_SLOT_TIMEOUT``).
+        headroom: slot size over the first state dict's size when sizing automatically.
+
+    A slot stays busy while its staged tensors are referenced in this process or until
+    ``release()`` is called for it.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int | None = None,
+        *,
+        slots: int | None = None,
+        async_staging: bool = False,
+        allow_growth: bool = True,
+        pin: bool | None = None,
+        slot_timeout: float | None = None,
+        headroom: float | None = None,
+    ) -> None:
+        self._closed = True  # until fully constructed, so __del__ has nothing to do
+        if capacity_bytes is not None and (
+            not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool)
+        ):
+            raise TypeError(f"capacity_bytes must be an int or None, not {type(capacity_bytes).__name__}")
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, not {capacity_bytes}")
+        self._slots = knobs.slots() if slots is None else slots
+        if not isinstance(self._slots, int) or isinstance(self._slots, bool) or self._slots < 1:
+            raise ValueError(f"slots must be a positive int, not {slots!r}")
+        self._slot_timeout = knobs.slot_timeout() if slot_timeout is None else float(slot_timeout)
+        if self._slot_timeout < 0:
+            raise ValueError(f"slot_timeout must be >= 0, not {slot_timeout}")
+        self._headroom = knobs.headroom() if headroom is None else float(headroom)
+        if self._headroom < 1.0:
+            raise ValueError(f"headroom must be >= 1.0, not {headroom}")
+        self._allow_growth = bool(allow_growth)
+        self._pin = pin
+        self._async = bool(async_staging)
+        self._synchronize_after_execute = not self._async
+        self._generations = itertools.count()
+        self._lock = threading.RLock()
+        # The newest arena takes new stages; older ones are closed once idle. The finalizer holds
+        # this same list, so it closes whatever is in it at the time.
+        self._arenas: list[Arena] = []
+        self._streams = SideStreams()
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future[Any] | None = None
+        threads = knobs.copy_threads()
+        if threads is not None:
+            _C.set_num_threads(threads)
+        if capacity_bytes is not None:
+            self._arenas.append(Arena(capacity_bytes, self._slots, pin=pin))
+        if self._async:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyshmckpt-stage")
+        self._closed = False
+        self._finalizer = weakref.finalize(self, ShmStager._finalize, self._arenas)
+
+    # -- public API -------------------------------------------------------------------------
+
+    @property
+    def arena(self) -> Arena | None:
+        """The arena new stages go to (None before the first stage when no capacity was given)."""
+        return self._arenas[-1] if self._arenas else None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        """Stage `state_dict`; returns the staged copy, or a Future of it with async_staging.
+
+        Raises UnsupportedValueError (a TypeError) naming the key path of a value that cannot be
+        staged, CapacityError when growth is disabled and the state dict does not fit, and
+        SlotsBusyError when no slot frees up within the slot timeout. A failed stage leaves the
+        stager usable. Extra keyword arguments (torch passes some) are accepted and ignored.
+        """
+        self._check_open()
+        plan = layout.plan(state_dict)  # validation first: nothing is staged for bad input
+        if self._executor is None:
+            return self._stage_plan(plan)
+        events = self._record_producers(plan)
+        future = self._executor.submit(self._stage_plan, plan, events)
+        self._pending = future
+        return future
+
+    def synchronize_staging(self) -> None:
+        """Wait for the last asynchronous stage to finish (DCP's AsyncStager protocol)."""
+        pending = self._pending
+        if pending is not None:
+            pending.result()
+
+    def handle(self, staged: Any) -> StagedHandle | None:
+        """Arena, slot, generation and manifest of a state dict this stager returned, else None."""
+        for arena in list(self._arenas):
+            slot = arena.find(id(staged))
+            if slot is not None:
+                return StagedHandle(slot)
+        return None
+
+    def release(self, staged: Any) -> None:
+        """Declare a staged state dict done with: its slot may be overwritten by the next stage.
+
+        Any tensor of it still held afterwards may see newer data. Unknown objects are ignored.
+        """
+        handle = self.handle(staged)
+        if handle is not None and handle.slot.state is SlotState.READY:
+            handle.arena.transition(handle.slot, SlotState.FREE)
+        self._collect_retired()
+
+    def close(self) -> None:
+        """Free the arenas (unpin, unmap, unlink). Idempotent; safe from __del__ and atexit.
+
+        Staged tensors still referenced stay valid: they keep torch's mapping of the memory.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+        self._finalizer()
+
+    def __enter__(self) -> ShmStager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else repr(self.arena)
+        return f"<ShmStager {state}>"
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StagerClosedError("ShmStager is closed")
+
+    @staticmethod
+    def _finalize(arenas: list[Arena]) -> None:
+        for arena in arenas:
+            arena.close()
+        arenas.clear()
+
+    def _record_producers(self, plan: layout.StagingPlan) -> dict[int, torch.cuda.Event]:
+        # Async mode: pending kernels on the caller's current streams must finish before copying.
+        events = {}
+        for device in set(plan.device) | {t.get_device() for _, t in plan.gathers if t.is_cuda}:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            events[device] = event
+        return events
+
+    def _slot_for(self, nbytes: int) -> Slot:
+        with self._lock:
+            self._check_open()
+            arena = self.arena
+            if arena is None or nbytes > arena.slot_capacity:
+                if arena is not None and not self._allow_growth:
+                    raise CapacityError(
+                        f"the state dict needs {nbytes} bytes but slots hold {arena.slot_capacity} "
+                        "and growth is disabled (allow_growth=False)"
+                    )
+                capacity = max(int(nbytes * self._headroom), 1)
+                arena = Arena(capacity, self._slots, pin=self._pin)
+                self._arenas.append(arena)
+            self._collect_retired()
+        return arena.acquire(next(self._generations), self._slot_timeout)
+
+    def _collect_retired(self) -> None:
+        with self._lock:
+            for arena in [a for a in self._arenas[:-1] if a.idle()]:
+                arena.close()
+                self._arenas.remove(arena)
+
+    def _stage_plan(
+        self, plan: layout.StagingPlan, producers: dict[int, torch.cuda.Event] | None = None
+    ) -> Any:
+        manifest = plan.manifest
+        slot = self._slot_for(manifest.size)
+        arena = slot.arena
+        copies = None
+        try:
+            copies = self._start_copies(plan, slot, producers)
+            # Building the staged tensors overlaps with the copies.
+            staged = layout.rebuild(manifest, slot.base, slot.offset)
+            copies.wait()
+        except BaseException:
+            if copies is not None:
+                copies.abandon()
+            arena.transition(slot, SlotState.FREE)
+            raise
+        slot.manifest = manifest
+        slot.staged_id = id(staged)
+        arena.transition(slot, SlotState.READY)
+        return staged
+
+    def _start_copies(
+        self, plan: layout.StagingPlan, slot: Slot, producers: dict[int, torch.cuda.Event] | None
+    ) -> _Copies:
+        segment = slot.segment
+        copies = _Copies(slot)
+        try:
+            for device, rows in plan.device.items():
+                stream = self._wait_producers(device, producers)
+                copies.add_event(
+                    segment.copy_from_device(_shift(rows, slot.offset), stream.cuda_stream, device)
+                )
+            if len(plan.host):
+                copies.host = segment.copy_from_host_async(_shift(plan.host, slot.offset))
+            for index, source in plan.gathers:
+                offset = slot.offset + int(plan.manifest.offset[index])
+                if source.is_cuda:
+                    device = source.get_device()
+                    stream = self._wait_producers(device, producers)
+                    with torch.cuda.stream(stream):
+                        dense = torch.empty(source.shape, dtype=source.dtype, device=source.device)
+                        dense.copy_(source)
+                    copies.keepalive.append(dense)
+                    row = np.array([[dense.data_ptr(), offset, dense.nbytes]], dtype=np.uint64)
+                    copies.add_event(segment.copy_from_device(row, stream.cuda_stream, device))
+                else:
+                    base = slot.base(source.dtype)
+                    stride = layout.contiguous_stride(tuple(source.shape))
+                    base.as_strided(source.shape, stride, offset // base.itemsize).copy_(source)
+        except BaseException:
+            copies.abandon()
+            raise
+        return copies
+
+    def _wait_producers(
+        self, device: int, producers: dict[int, torch.cuda.Event] | None
+    ) -> torch.cuda.Stream:
+        stream = self._streams.get(device)
+        if producers is None:
+            stream.wait_stream(torch.cuda.current_stream(device))
+        else:
+            stream.wait_event(producers[device])
+        return stream
+
+
+class _Copies:
+    """The copies filling one slot: a background host copy and device-to-host batches."""
+
+    def __init__(self, slot: Slot) -> None:
+        self.slot = slot
+        self.host: Any = None
+        self.events: list[Any] = []
+        self.keepalive: list[torch.Tensor] = []
+
+    def add_event(self, event: Any) -> None:
+        self.events.append(event)
+        self.slot.pending.append(event)  # the slot is not reused before these complete
+
+    def wait(self) -> None:
+        if self.host is not None:
+            self.host.wait()
+        timeout = knobs.device_copy_timeout()
+        for event in self.events:
+            if not event.wait(timeout):
+                raise StagingTimeoutError(
+                    f"device-to-host copies into {self.slot.name} did not finish in {timeout}s"
+                )
+        self.slot.pending.clear()
+        self.keepalive.clear()
+
+    def abandon(self) -> None:
+        """After a failure: make sure no host copy still writes into the slot."""
+        if self.host is not None:
+            try:
+                self.host.wait()
+            except Exception:  # the original failure is the one to report
+                pass
+
+
+def _shift(rows: np.ndarray, offset: int) -> np.ndarray:
+    shifted = rows.copy()
+    shifted[:, 1] += np.uint64(offset)
+    return shifted
