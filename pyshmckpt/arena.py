@@ -67,7 +67,7 @@ class Slot:
         self.segment = _C.Segment.create(capacity, knobs.segment_prefix())
         try:
             self.offset = int(self.segment.data_offset)
-            self.storage = torch.UntypedStorage._new_shared_fd_cpu(
+            self.storage = torch.UntypedStorage._new_shared_fd_cpu(  # type: ignore[attr-defined]
                 self.segment.fd, self.segment.mapped_size
             )
         except BaseException:

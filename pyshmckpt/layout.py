@@ -250,7 +250,7 @@ class _Walker:
                 if cls is collections.OrderedDict:
                     return (ORDERED_DICT, keys, children)
                 if cls is collections.defaultdict:
-                    return (DEFAULT_DICT, keys, children, obj.default_factory)
+                    return (DEFAULT_DICT, keys, children, obj.default_factory)  # type: ignore[attr-defined]
                 return (MAPPING, keys, children, cls)
             children = tuple([walk(v) for v in obj])
             if cls is list:

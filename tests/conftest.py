@@ -1,0 +1,95 @@
+"""Shared fixtures: the shared-memory leak check, GPU skipping, and small state dicts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import pyshmckpt
+
+SHM = Path("/dev/shm")
+PREFIX = "pyshmckpt-"
+
+
+def our_segments() -> set[str]:
+    """Names of our segments in /dev/shm created by this process or its children."""
+    return {p.name for p in SHM.iterdir() if p.name.startswith(PREFIX)}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if pyshmckpt.cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device and the CUDA build of pyshmckpt")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_segments():
+    """Fail any test that leaves a segment of ours in /dev/shm (checked after the test)."""
+    import gc
+
+    before = our_segments()
+    yield
+    leaked = our_segments() - before
+    if leaked:
+        gc.collect()  # objects that only a reference cycle kept alive
+        leaked = our_segments() - before
+    if leaked:
+        for name in leaked:  # do not let one leak fail every later test
+            try:
+                os.unlink(SHM / name)
+            except FileNotFoundError:
+                pass
+        pytest.fail(f"test left shared-memory segments behind: {sorted(leaked)}")
+
+
+@pytest.fixture
+def stager():
+    s = pyshmckpt.ShmStager(slot_timeout=0.5)
+    yield s
+    s.close()
+
+
+class TinyGPT(torch.nn.Module):
+    """A small decoder-only transformer with tied input/output embeddings."""
+
+    def __init__(self, vocab: int = 97, dim: int = 32, layers: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Parameter(torch.randn(64, dim) * 0.02)
+        layer = torch.nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True)
+        self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        return self.head(self.norm(self.blocks(x, mask=mask, is_causal=True)))
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int = 0) -> float:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 97, (4, 16), generator=g)
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 97), tokens[:, 1:].reshape(-1))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.detach().item()
+
+
+@pytest.fixture
+def trained():
+    """A TinyGPT and its AdamW optimizer after one step: a realistic model + optimizer state."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train_step(model, optimizer)
+    return model, optimizer
