@@ -14,6 +14,7 @@ writing into a slot keep it from being reused until they complete.
 from __future__ import annotations
 
 import enum
+import sys
 import threading
 import time
 import warnings
@@ -75,6 +76,12 @@ class Slot:
             raise
         self._bases: dict[torch.dtype, torch.Tensor] = {}
         self._baseline = _use_count(self.storage)
+        self.base(torch.uint8)
+        # References while nothing outside the arena holds the slot: C++ references to the storage
+        # (one per tensor viewing it, the bases included) and Python references to the storage
+        # object (torch hands out this same object from tensor.untyped_storage(), and holds one
+        # reference to it itself while any tensor views the storage, as the bases always do).
+        self._py_baseline = sys.getrefcount(self.storage)
 
     @property
     def name(self) -> str:
@@ -92,7 +99,10 @@ class Slot:
 
     def referenced(self) -> bool:
         """True while any tensor (or storage object) outside the arena views this slot's storage."""
-        return _use_count(self.storage) > self._baseline
+        return (
+            _use_count(self.storage) > self._baseline
+            or sys.getrefcount(self.storage) > self._py_baseline
+        )
 
     def copies_pending(self) -> bool:
         self.pending = [event for event in self.pending if not event.query()]

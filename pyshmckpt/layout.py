@@ -452,6 +452,24 @@ def make_tensors(
     return out
 
 
+def buffer_bases(buffer: Any) -> Callable[[torch.dtype], torch.Tensor]:
+    """``bases`` for rebuild() over any writable buffer (e.g. an attached segment), zero-copy.
+
+    The returned tensors keep the buffer exported (alive) for as long as they exist.
+    """
+    raw = torch.frombuffer(buffer, dtype=torch.uint8)
+    cache: dict[torch.dtype, torch.Tensor] = {torch.uint8: raw}
+
+    def bases(dtype: torch.dtype) -> torch.Tensor:
+        base = cache.get(dtype)
+        if base is None:
+            count = raw.numel() // dtype.itemsize
+            base = cache[dtype] = raw[: count * dtype.itemsize].view(dtype)
+        return base
+
+    return bases
+
+
 def rebuild(manifest: Manifest, bases: Callable[[torch.dtype], torch.Tensor], slot_offset: int) -> Any:
     """Rebuild the staged structure with tensors viewing one storage.
 

@@ -1,0 +1,173 @@
+"""Arena and slot state machine (pyshmckpt/arena.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyshmckpt import Arena, SlotsBusyError, SlotState, SlotStateError, StagerClosedError
+from pyshmckpt.arena import _TRANSITIONS
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def arena():
+    a = Arena(MIB, 2, pin=False)
+    yield a
+    a.close()
+
+
+def test_capacity_rounded_to_granularity_and_slots_are_segments(arena):
+    assert arena.slot_capacity == 2 * MIB  # default granularity 2 MiB
+    assert len(arena.slots) == 2
+    names = {slot.name for slot in arena.slots}
+    assert len(names) == 2
+    for slot in arena.slots:
+        assert slot.state is SlotState.FREE
+        assert slot.segment.size == arena.slot_capacity
+        assert slot.offset == slot.segment.data_offset
+        assert slot.storage.nbytes() == slot.segment.mapped_size
+
+
+def test_slot_storage_shares_memory_with_the_segment(arena):
+    slot = arena.slots[0]
+    view = memoryview(slot.segment)
+    view[slot.offset : slot.offset + 4] = b"abcd"
+    staged = slot.base(torch.uint8)[slot.offset : slot.offset + 4]
+    assert bytes(staged.tolist()) == b"abcd"
+    staged.fill_(7)
+    assert bytes(view[slot.offset : slot.offset + 4]) == b"\x07" * 4
+    del staged
+    view.release()
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (("1", 2), TypeError),
+        ((1.5, 2), TypeError),
+        ((True, 2), TypeError),
+        ((MIB, "2"), TypeError),
+        ((0, 2), ValueError),
+        ((-1, 2), ValueError),
+        ((MIB, 0), ValueError),
+    ],
+)
+def test_bad_arguments(args, error):
+    with pytest.raises(error):
+        Arena(*args, pin=False)
+
+
+def test_state_machine_allows_exactly_the_documented_transitions(arena):
+    slot = arena.slots[0]
+    for source, targets in _TRANSITIONS.items():
+        for target in SlotState:
+            slot.state = source
+            if target in targets:
+                arena.transition(slot, target)
+                assert slot.state is target
+            else:
+                with pytest.raises(SlotStateError):
+                    arena.transition(slot, target)
+                assert slot.state is source
+    slot.state = SlotState.FREE
+
+
+def test_acquire_takes_free_slots_then_times_out(arena):
+    first = arena.acquire(1, timeout=0)
+    second = arena.acquire(2, timeout=0)
+    assert {first.index, second.index} == {0, 1}
+    assert first.state is second.state is SlotState.STAGING
+    assert (first.generation, second.generation) == (1, 2)
+    with pytest.raises(SlotsBusyError, match="no free slot"):
+        arena.acquire(3, timeout=0.05)
+    arena.transition(first, SlotState.FREE)
+    assert arena.acquire(4, timeout=0) is first
+
+
+def test_ready_slot_is_reclaimed_once_its_tensors_are_dropped(arena):
+    slot = arena.acquire(0, timeout=0)
+    held = slot.base(torch.float32)[slot.offset // 4 : slot.offset // 4 + 8]
+    arena.transition(slot, SlotState.READY)
+    other = arena.acquire(1, timeout=0)
+    assert other is not slot
+    with pytest.raises(SlotsBusyError):
+        arena.acquire(2, timeout=0)
+    view = held[2:4]  # a view of a staged tensor also keeps the slot
+    del held
+    with pytest.raises(SlotsBusyError):
+        arena.acquire(2, timeout=0)
+    del view
+    assert arena.acquire(2, timeout=0) is slot
+
+
+def test_storage_object_reference_keeps_the_slot(arena):
+    slot = arena.acquire(0, timeout=0)
+    arena.transition(slot, SlotState.READY)
+    storage = slot.base(torch.uint8)[:4].untyped_storage()
+    arena.acquire(1, timeout=0)
+    with pytest.raises(SlotsBusyError):
+        arena.acquire(2, timeout=0)
+    del storage
+    assert arena.acquire(2, timeout=0) is slot
+
+
+def test_writing_slot_is_never_reclaimed(arena):
+    slot = arena.acquire(0, timeout=0)
+    arena.transition(slot, SlotState.READY)
+    arena.transition(slot, SlotState.WRITING)
+    arena.acquire(1, timeout=0)
+    with pytest.raises(SlotsBusyError):
+        arena.acquire(2, timeout=0)
+    arena.transition(slot, SlotState.FREE)
+    assert arena.acquire(2, timeout=0) is slot
+
+
+def test_idle_and_find(arena):
+    assert arena.idle()
+    slot = arena.acquire(0, timeout=0)
+    assert not arena.idle()
+    slot.staged_id = 1234
+    arena.transition(slot, SlotState.READY)
+    assert arena.find(1234) is slot
+    assert arena.find(999) is None
+    assert arena.idle()  # READY and unreferenced counts as free
+    assert arena.find(1234) is None  # ... and checking reclaimed it
+
+
+def test_close_is_idempotent_and_blocks_acquire():
+    a = Arena(MIB, 1, pin=False)
+    names = [slot.name for slot in a.slots]
+    a.close()
+    a.close()
+    assert all(slot.segment.closed for slot in a.slots)
+    with pytest.raises(StagerClosedError):
+        a.acquire(0, timeout=0)
+    assert names
+
+
+def test_staged_tensors_outlive_close():
+    a = Arena(MIB, 1, pin=False)
+    slot = a.acquire(0, timeout=0)
+    t = slot.base(torch.int64)[slot.offset // 8 : slot.offset // 8 + 4]
+    t.copy_(torch.arange(4))
+    a.close()
+    # torch's own mapping keeps the memory valid after the segment is unlinked and unmapped.
+    assert t.tolist() == [0, 1, 2, 3]
+
+
+def test_pin_without_cuda_warns_and_stays_usable():
+    import pyshmckpt
+
+    if pyshmckpt.cuda_available():
+        pytest.skip("a GPU is present: pinning succeeds")
+    with pytest.warns(pyshmckpt.PinningWarning, match="could not be pinned"):
+        a = Arena(MIB, 1, pin=True)
+    try:
+        assert not a.pinned
+        assert a.pin_error
+        slot = a.acquire(0, timeout=0)
+        assert slot.state is SlotState.STAGING
+    finally:
+        a.close()

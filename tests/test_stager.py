@@ -1,0 +1,323 @@
+"""ShmStager (pyshmckpt/stager.py): staging, slots, growth, failure recovery, protocols."""
+
+from __future__ import annotations
+
+import collections
+import gc
+import pickle
+from concurrent.futures import Future
+
+import pytest
+import torch
+import torch.multiprocessing  # noqa: F401  (registers torch's reductions on ForkingPickler)
+from multiprocessing.reduction import ForkingPickler
+
+import pyshmckpt
+from pyshmckpt import (
+    CapacityError,
+    ShmStager,
+    SlotsBusyError,
+    SlotState,
+    StagerClosedError,
+    UnsupportedValueError,
+)
+
+MIB = 1 << 20
+
+
+def state(scale: float = 1.0) -> dict:
+    return {
+        "w": torch.full((64, 64), scale),
+        "b": torch.arange(64, dtype=torch.int64),
+        "nested": [torch.ones(3, dtype=torch.bfloat16) * scale, {"step": 7}],
+    }
+
+
+def storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_works_with_no_arguments():
+    with ShmStager() as s:
+        assert s.arena is None  # sized from the first state dict
+        staged = s.stage(state())
+        assert s.arena is not None and len(s.arena.slots) == 2
+        assert torch.equal(staged["w"], state()["w"])
+        assert staged["nested"][1] == {"step": 7}
+
+
+def test_capacity_given_creates_the_arena_in_the_constructor():
+    with ShmStager(capacity_bytes=3 * MIB, slots=3) as s:
+        arena = s.arena
+        assert arena is not None
+        assert arena.slot_capacity >= 3 * MIB
+        assert len(arena.slots) == 3
+        s.stage(state())
+        assert s.arena is arena  # no new arena for a state dict that fits
+
+
+def test_staged_tensors_are_cpu_views_of_one_shared_storage_per_slot(stager):
+    source = state()
+    staged = stager.stage(source)
+    slot = stager.handle(staged).slot
+    tensors = [staged["w"], staged["b"], staged["nested"][0]]
+    for t in tensors:
+        assert t.device.type == "cpu"
+        assert t.untyped_storage().data_ptr() == slot.storage.data_ptr()
+        assert t.untyped_storage().is_shared()
+    assert len({storage_ptr(t) for t in tensors}) == 1
+
+
+def test_snapshot_semantics(stager):
+    source = state()
+    staged = stager.stage(source)
+    source["w"].add_(100)
+    source["nested"][0].zero_()
+    source["nested"][1]["step"] = 8
+    assert torch.equal(staged["w"], torch.ones(64, 64))
+    assert torch.equal(staged["nested"][0], torch.ones(3, dtype=torch.bfloat16))
+    assert staged["nested"][1]["step"] == 7
+
+
+def test_two_slots_alternate_while_staged_dicts_are_held(stager):
+    first = stager.stage(state(1.0))
+    second = stager.stage(state(2.0))
+    assert storage_ptr(first["w"]) != storage_ptr(second["w"])
+    assert float(first["w"][0, 0]) == 1.0 and float(second["w"][0, 0]) == 2.0
+    with pytest.raises(SlotsBusyError):
+        stager.stage(state(3.0))  # both slots are referenced; slot_timeout=0.5
+    assert float(first["w"][0, 0]) == 1.0  # nothing was overwritten
+    del first
+    third = stager.stage(state(3.0))
+    assert float(third["w"][0, 0]) == 3.0
+    assert float(second["w"][0, 0]) == 2.0
+
+
+def test_slots_are_reused_when_results_are_dropped(stager):
+    names = set()
+    for i in range(6):
+        staged = stager.stage(state(float(i)))
+        names.add(stager.handle(staged).slot.name)
+        assert float(staged["w"][0, 0]) == float(i)
+        del staged
+    assert len(names) <= 2
+    assert len(stager.arena.slots) == 2
+
+
+def test_release_frees_a_slot_that_is_still_referenced(stager):
+    first = stager.stage(state(1.0))
+    stager.stage(state(2.0))  # dropped at once: its slot is free again
+    held = stager.stage(state(3.0))
+    stager.release(first)
+    assert stager.handle(first) is None
+    fourth = stager.stage(state(4.0))
+    assert stager.handle(fourth) is not None
+    # release() allowed the overwrite: the released dict now shows newer data.
+    assert float(first["w"][0, 0]) == 4.0
+    assert float(held["w"][0, 0]) == 3.0
+    stager.release({"not": "staged"})  # unknown objects are ignored
+
+
+def test_handle_reports_generation_and_manifest(stager):
+    a = stager.stage(state())
+    b = stager.stage(state())
+    ha, hb = stager.handle(a), stager.handle(b)
+    assert hb.generation == ha.generation + 1
+    assert ha.slot.state is SlotState.READY
+    assert len(ha.manifest) == 3
+    assert ha.manifest.paths() == [("w",), ("b",), ("nested", 0)]
+
+
+def test_growth_moves_to_a_larger_arena_and_frees_the_old_one():
+    with ShmStager(capacity_bytes=2 * MIB) as s:
+        small = s.arena
+        old_names = [slot.name for slot in small.slots]
+        big = {"x": torch.ones(3 * MIB // 4)}  # 3 MiB of float32
+        staged = s.stage(big)
+        assert s.arena is not small
+        assert s.arena.slot_capacity >= 3 * MIB
+        assert torch.equal(staged["x"], big["x"])
+        assert small.closed  # nothing in it was in use
+        assert not any(name in pyshmckpt_segments() for name in old_names)
+
+
+def test_old_arena_stays_while_its_slot_is_in_use():
+    with ShmStager(capacity_bytes=2 * MIB) as s:
+        small = s.arena
+        held = s.stage(state())
+        s.stage({"x": torch.ones(3 * MIB // 4)})
+        assert not small.closed  # `held` still views it
+        assert torch.equal(held["w"], torch.ones(64, 64))
+        del held
+        s.stage(state())  # the next stage collects the idle old arena
+        assert small.closed
+
+
+def test_growth_disabled_gives_a_capacity_error_and_stays_usable():
+    with ShmStager(capacity_bytes=2 * MIB, allow_growth=False) as s:
+        with pytest.raises(CapacityError, match="growth is disabled"):
+            s.stage({"x": torch.ones(3 * MIB // 4)})
+        assert all(slot.state is SlotState.FREE for slot in s.arena.slots)
+        assert torch.equal(s.stage(state())["w"], torch.ones(64, 64))
+
+
+def test_bad_tensor_stages_nothing_and_names_the_key_path(stager):
+    good = stager.stage(state())
+    del good
+    bad = {"model": {"layers": [torch.ones(2), torch.ones(2).to_sparse()]}}
+    with pytest.raises(UnsupportedValueError, match=r"\['model'\]\['layers'\]\[1\]"):
+        stager.stage(bad)
+    assert isinstance(UnsupportedValueError("p", "r"), TypeError)
+    assert stager.arena.idle()
+    assert not any(slot.state is SlotState.STAGING for slot in stager.arena.slots)
+    assert torch.equal(stager.stage(state())["b"], torch.arange(64))
+
+
+def test_failure_during_copy_frees_the_slot(stager, monkeypatch):
+    stager.stage(state())
+    arena = stager.arena
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected copy failure")
+
+    monkeypatch.setattr(pyshmckpt.layout, "rebuild", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        stager.stage(state())
+    monkeypatch.undo()
+    assert arena.idle()
+    assert torch.equal(stager.stage(state(5.0))["w"], torch.full((64, 64), 5.0))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"capacity_bytes": "1"}, TypeError),
+        ({"capacity_bytes": 1.5}, TypeError),
+        ({"capacity_bytes": True}, TypeError),
+        ({"capacity_bytes": 0}, ValueError),
+        ({"capacity_bytes": -5}, ValueError),
+        ({"slots": 0}, ValueError),
+        ({"slots": "2"}, ValueError),
+        ({"slot_timeout": -1}, ValueError),
+        ({"headroom": 0.5}, ValueError),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, error):
+    with pytest.raises(error):
+        ShmStager(**kwargs)
+
+
+def test_capacity_larger_than_free_shared_memory_is_a_clean_oserror():
+    import errno
+    import os
+
+    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    with pytest.raises(OSError) as info:
+        ShmStager(capacity_bytes=free + (1 << 30), slots=1)
+    assert info.value.errno == errno.ENOSPC
+
+
+def test_close_is_idempotent_and_closed_stager_refuses_work():
+    s = ShmStager(capacity_bytes=MIB)
+    s.stage(state())
+    s.close()
+    s.close()
+    assert s.closed
+    with pytest.raises(StagerClosedError):
+        s.stage(state())
+
+
+def test_staged_tensors_survive_close():
+    s = ShmStager()
+    staged = s.stage(state(9.0))
+    s.close()
+    assert torch.equal(staged["w"], torch.full((64, 64), 9.0))
+
+
+def test_dropping_the_stager_frees_its_segments():
+    s = ShmStager(capacity_bytes=MIB)
+    s.stage(state())
+    names = [slot.name for slot in s.arena.slots]
+    assert all(name in pyshmckpt_segments() for name in names)
+    del s
+    gc.collect()
+    assert not any(name in pyshmckpt_segments() for name in names)
+
+
+def test_async_staging_returns_a_future():
+    with ShmStager(async_staging=True) as s:
+        future = s.stage(state(4.0))
+        assert isinstance(future, Future)
+        staged = future.result(timeout=30)
+        assert torch.equal(staged["w"], torch.full((64, 64), 4.0))
+        s.synchronize_staging()
+        assert not s.should_synchronize_after_execute
+
+
+def test_async_staging_reports_errors_at_call_time():
+    with ShmStager(async_staging=True) as s, pytest.raises(UnsupportedValueError):
+        s.stage({"m": torch.empty(2, device="meta")})
+
+
+def test_stage_accepts_keyword_arguments_as_torch_passes_them(stager):
+    staged = stager.stage(state_dict=state(), path="ignored", extra=1)
+    assert torch.equal(staged["b"], torch.arange(64))
+
+
+def test_implements_torch_stager_protocols():
+    from torch.distributed.checkpoint._experimental.staging import CheckpointStager
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    with ShmStager() as s:
+        assert isinstance(s, AsyncStager)
+        assert isinstance(s, CheckpointStager)
+        assert s.should_synchronize_after_execute
+
+
+def test_torch_pickler_sends_one_descriptor_per_slot(stager):
+    """torch.multiprocessing sends storages by fd; a staged dict must need exactly one."""
+    staged = stager.stage({f"t{i}": torch.full((16,), float(i)) for i in range(50)})
+    buf = ForkingPickler.dumps(staged)
+    # Each shared storage is reduced to a (rebuild_storage_fd, DupFd) pair; count them.
+    assert bytes(buf).count(b"rebuild_storage_fd") == 1
+    assert bytes(buf).count(b"DupFd") == 1
+    restored = pickle.loads(buf)
+    assert all(torch.equal(restored[f"t{i}"], torch.full((16,), float(i))) for i in range(50))
+
+
+def test_containers_and_aliases_survive(stager):
+    w = torch.randn(8, 8)
+    source = collections.OrderedDict(
+        a=w, b=w, c=w.t(), d=(w[0], [w[1:3]]), e=collections.defaultdict(int, k=torch.ones(1))
+    )
+    staged = stager.stage(source)
+    assert type(staged) is collections.OrderedDict
+    assert staged["a"] is staged["b"]
+    assert isinstance(staged["d"], tuple) and isinstance(staged["d"][1], list)
+    assert staged["e"].default_factory is int
+    ptr = storage_ptr(staged["a"])
+    assert storage_ptr(staged["c"]) == ptr and storage_ptr(staged["d"][0]) == ptr
+    staged["a"][0, 0] = 123.0
+    assert float(staged["c"][0, 0]) == 123.0
+    assert float(staged["d"][0][0]) == 123.0
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_dcp_async_save_with_shm_stager(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    source = {"w": torch.randn(32, 32), "b": torch.arange(10)}
+    with ShmStager() as s:
+        response = dcp.async_save(source, checkpoint_id=str(tmp_path), async_stager=s)
+        result = response.upload_completion if hasattr(response, "upload_completion") else response
+        result.result(timeout=60)
+    target = {"w": torch.zeros(32, 32), "b": torch.zeros(10, dtype=torch.int64)}
+    dcp.load(target, checkpoint_id=str(tmp_path))
+    assert torch.equal(target["w"], source["w"])
+    assert torch.equal(target["b"], source["b"])
+
+
+def pyshmckpt_segments() -> set[str]:
+    from conftest import our_segments
+
+    return our_segments()

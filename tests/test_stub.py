@@ -1,0 +1,23 @@
+"""The hand-written pyshmckpt/_C.pyi must match the compiled module (mypy's stubtest)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ALLOWLIST = Path(__file__).with_name("stubtest_allowlist.txt")
+
+
+def test_stub_matches_module():
+    pytest.importorskip("mypy")
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", "pyshmckpt._C", "--allowlist", str(ALLOWLIST)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
