@@ -277,8 +277,7 @@ until the event completes; the caller keeps the owning tensors alive until then.
       "crc32c",
       [](const py::buffer& data, std::uint32_t value) {
         py::buffer_info info = data.request();
-        if (info.ndim > 1 && !PyBuffer_IsContiguous(
-                                 reinterpret_cast<Py_buffer*>(info.view()), 'A')) {
+        if (!PyBuffer_IsContiguous(info.view(), 'A')) {
           throw ArgumentError("crc32c needs a contiguous buffer");
         }
         const std::size_t nbytes = static_cast<std::size_t>(info.size * info.itemsize);

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -127,8 +128,13 @@ void populate_pages(std::uint8_t* ptr, std::size_t nbytes, const std::string& na
 
 Segment Segment::create(std::size_t size, const std::string& prefix) {
   if (size == 0) throw ArgumentError("segment size must be positive");
-  if (prefix.empty() || prefix.find('/') != std::string::npos) {
-    throw ArgumentError("segment prefix must be non-empty and contain no '/'");
+  const bool valid_prefix =
+      !prefix.empty() && prefix.size() <= 64 &&
+      std::all_of(prefix.begin(), prefix.end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.';
+      });
+  if (!valid_prefix) {
+    throw ArgumentError("segment prefix must be 1 to 64 characters from [A-Za-z0-9._-]");
   }
   const std::size_t page = page_size();
   if (size > (SIZE_MAX - kHeaderSize) / 2) throw ArgumentError("segment size is too large");
@@ -183,7 +189,8 @@ Segment Segment::attach(const std::string& name, std::size_t size, const std::st
   }
   Segment seg;
   seg.name_ = bare_name(name);
-  if (seg.name_.empty() || seg.name_.find('/') != std::string::npos) {
+  if (seg.name_.empty() || seg.name_.size() > 255 || seg.name_.find('/') != std::string::npos ||
+      seg.name_.find('\0') != std::string::npos) {
     throw ArgumentError("invalid segment name '" + name + "'");
   }
   seg.fd_ = shm_open(shm_path(seg.name_).c_str(), O_RDWR | O_CLOEXEC, 0);

@@ -249,9 +249,9 @@ class ShmStager(*_bases):  # type: ignore[misc]
             # Building the staged tensors overlaps with the copies.
             staged = layout.rebuild(manifest, slot.base, slot.offset)
             copies.wait()
-        except BaseException:
+        except BaseException as exc:
             if copies is not None:
-                copies.abandon()
+                _note_cleanup_error(exc, copies.abandon())
             arena.transition(slot, SlotState.FREE)
             raise
         slot.manifest = manifest
@@ -287,8 +287,8 @@ class ShmStager(*_bases):  # type: ignore[misc]
                     base = slot.base(source.dtype)
                     stride = layout.contiguous_stride(tuple(source.shape))
                     base.as_strided(source.shape, stride, offset // base.itemsize).copy_(source)
-        except BaseException:
-            copies.abandon()
+        except BaseException as exc:
+            _note_cleanup_error(exc, copies.abandon())
             raise
         return copies
 
@@ -328,13 +328,25 @@ class _Copies:
         self.slot.pending.clear()
         self.keepalive.clear()
 
-    def abandon(self) -> None:
-        """After a failure: make sure no host copy still writes into the slot."""
+    def abandon(self) -> BaseException | None:
+        """After a failure: wait until no host copy writes into the slot; return its error."""
         if self.host is not None:
             try:
                 self.host.wait()
-            except Exception:  # the original failure is the one to report
-                pass
+            except Exception as exc:
+                return exc
+        return None
+
+
+def _note_cleanup_error(exc: BaseException, cleanup: BaseException | None) -> None:
+    """Attach an error raised while cleaning up to the failure being reported."""
+    if cleanup is None:
+        return
+    note = f"while cleaning up after this failure: {cleanup!r}"
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # Python 3.10
+        exc.args = (*exc.args, note)
 
 
 def _shift(rows: np.ndarray, offset: int) -> np.ndarray:

@@ -11,12 +11,21 @@ import torch
 import pyshmckpt
 
 SHM = Path("/dev/shm")
-PREFIX = "pyshmckpt-"
+# Segments made through the Python layer in this session (children inherit the variable), so that
+# concurrent test sessions never count or remove each other's segments.
+SESSION_PREFIX = f"pyshmckpt-t{os.getpid()}"
+os.environ["PYSHMCKPT_SEGMENT_PREFIX"] = SESSION_PREFIX
+# Segments made directly with the native default prefix by this process.
+DIRECT_PREFIX = f"pyshmckpt-{os.getpid()}-"
 
 
 def our_segments() -> set[str]:
-    """Names of our segments in /dev/shm created by this process or its children."""
-    return {p.name for p in SHM.iterdir() if p.name.startswith(PREFIX)}
+    """Names of this test session's segments in /dev/shm."""
+    return {
+        p.name
+        for p in SHM.iterdir()
+        if p.name.startswith(SESSION_PREFIX) or p.name.startswith(DIRECT_PREFIX)
+    }
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
