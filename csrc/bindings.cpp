@@ -122,9 +122,12 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "wait",
           [](PyHostCopy& c) {
-            {
+            try {
               py::gil_scoped_release release;
               c.copy->wait();
+            } catch (...) {
+              c.finish();
+              throw;
             }
             c.finish();
           },

@@ -37,6 +37,10 @@ void check_destinations(const Segment& segment, const CopyEntry* entries, std::s
 void copy_host(Segment& segment, const CopyEntry* entries, std::size_t count) {
   if (segment.closed()) throw ArgumentError("segment '" + segment.name() + "' is closed");
   check_destinations(segment, entries, count);
+  copy_host_unchecked(segment.base(), entries, count);
+}
+
+void copy_host_unchecked(std::uint8_t* base, const CopyEntry* entries, std::size_t count) {
   // Treat the batch as one stream of bytes and cut it into equal pieces; each piece copies the parts
   // of the entries it overlaps. Prefix sums locate a piece's first entry by binary search.
   std::vector<std::uint64_t> starts(count + 1, 0);
@@ -47,7 +51,6 @@ void copy_host(Segment& segment, const CopyEntry* entries, std::size_t count) {
   const std::uint64_t wanted = total / (4 * pool.num_threads()) + 1;
   const std::uint64_t piece = std::clamp<std::uint64_t>(wanted, 256u << 10, 64u << 20);
   const std::size_t pieces = static_cast<std::size_t>((total + piece - 1) / piece);
-  std::uint8_t* base = segment.base();
   pool.parallel_for(pieces, [&](std::size_t p) {
     const std::uint64_t begin = p * piece;
     const std::uint64_t end = std::min(total, begin + piece);
@@ -69,12 +72,14 @@ HostCopy::HostCopy(Segment& segment, const CopyEntry* entries, std::size_t count
     : entries_(entries, entries + count) {
   if (segment.closed()) throw ArgumentError("segment '" + segment.name() + "' is closed");
   check_destinations(segment, entries_.data(), entries_.size());
-  thread_ = std::thread([this, &segment] {
+  std::uint8_t* base = segment.base();
+  thread_ = std::thread([this, base] {
     try {
-      copy_host(segment, entries_.data(), entries_.size());
+      copy_host_unchecked(base, entries_.data(), entries_.size());
     } catch (...) {
       error_ = std::current_exception();
     }
+    finished_.store(true, std::memory_order_release);
   });
 }
 

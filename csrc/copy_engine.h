@@ -1,6 +1,7 @@
 // Copies batches of (source pointer, destination offset, nbytes) entries into a segment.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -22,6 +23,9 @@ struct CopyEntry {
 // first bad entry. Called before any byte is copied, so a bad batch copies nothing.
 void check_destinations(const Segment& segment, const CopyEntry* entries, std::size_t count);
 
+// Copies checked entries into the mapping at `base` with the process thread pool (no checks).
+void copy_host_unchecked(std::uint8_t* base, const CopyEntry* entries, std::size_t count);
+
 // Copies host entries with the process thread pool. Large entries are split across threads and
 // small ones are batched, so the work is balanced by bytes rather than by entry.
 // SAFETY: every `src` must be readable for `nbytes` bytes and stay alive and unmodified until this
@@ -29,7 +33,8 @@ void check_destinations(const Segment& segment, const CopyEntry* entries, std::s
 void copy_host(Segment& segment, const CopyEntry* entries, std::size_t count);
 
 // A host copy running on a background thread (which drives the thread pool), so that the caller
-// can do other work meanwhile. The entries are copied in; the segment must outlive this object.
+// can do other work meanwhile. Entries are checked and copied in by the constructor. The caller
+// keeps the segment's mapping alive (an export) until wait() returns, even if it is closed.
 class HostCopy {
  public:
   HostCopy(Segment& segment, const CopyEntry* entries, std::size_t count);
@@ -39,11 +44,13 @@ class HostCopy {
 
   // Waits for the copy and rethrows its error, if any. Idempotent.
   void wait();
-  bool done() const noexcept { return joined_; }
+  // True once the copy has finished (successfully or not), whether or not wait() was called.
+  bool done() const noexcept { return finished_.load(std::memory_order_acquire); }
 
  private:
   std::vector<CopyEntry> entries_;
   std::exception_ptr error_;
+  std::atomic<bool> finished_{false};
   std::thread thread_;
   bool joined_ = false;
 };

@@ -119,7 +119,8 @@ void populate_pages(std::uint8_t* ptr, std::size_t nbytes, const std::string& na
     }
   });
   int err = failure.load();
-  if (err == EFAULT || err == ENOMEM || err == ENOSPC) {
+  // EFAULT: the fault would have raised SIGBUS, which tmpfs does when it is full.
+  if (err == EFAULT || err == ENOSPC) {
     throw_errno("madvise(MADV_POPULATE_WRITE)", name, ENOSPC,
                 "not enough shared memory to allocate " + std::to_string(nbytes) + " bytes");
   }

@@ -24,7 +24,7 @@ def our_segments() -> set[str]:
     return {
         p.name
         for p in SHM.iterdir()
-        if p.name.startswith(SESSION_PREFIX) or p.name.startswith(DIRECT_PREFIX)
+        if p.name.startswith(SESSION_PREFIX + "-") or p.name.startswith(DIRECT_PREFIX)
     }
 
 
