@@ -9,7 +9,6 @@ structure, with tensors that share a source storage again sharing one block.
 
 from __future__ import annotations
 
-import collections
 import copy
 import dataclasses
 from collections.abc import Callable
@@ -24,7 +23,19 @@ from .errors import UnsupportedValueError
 # Node kinds of the structure tree. A tensor is a bare int (its index: ints are not tracked by the
 # garbage collector, which matters with thousands of tensors); any other node is a tuple whose
 # first item is its kind.
-DICT, ORDERED_DICT, DEFAULT_DICT, MAPPING, LIST, SEQUENCE, TUPLE, NAMED_TUPLE, LEAF = range(9)
+# REDUCED covers every other dict or list type (OrderedDict, defaultdict, Counter, user
+# subclasses): it is rebuilt the way pickle would, from the container's __reduce_ex__, so that
+# constructor arguments and instance attributes (a module state dict's _metadata) survive.
+DICT, LIST, TUPLE, NAMED_TUPLE, LEAF, REDUCED = range(6)
+
+# Dtypes whose values only make sense with a quantizer: a plain tensor viewed as one cannot be
+# restored faithfully.
+_QUANTIZED_DTYPES = {
+    getattr(torch, name)
+    for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+    if hasattr(torch, name)
+}
+INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # Leaves that are immutable and so need no copy to be a snapshot.
 _ATOMIC = (
@@ -156,11 +167,11 @@ def _collect_paths(node: Any, path: tuple[Any, ...], out: list[Any]) -> None:
     kind = node[0]
     if kind == LEAF:
         return
-    elif kind <= MAPPING:
+    if kind == DICT or (kind == REDUCED and node[1] is not None):
         for key, child in zip(node[1], node[2]):
             _collect_paths(child, (*path, key), out)
     else:
-        for i, child in enumerate(node[1]):
+        for i, child in enumerate(node[2]):
             _collect_paths(child, (*path, i), out)
 
 
@@ -188,7 +199,7 @@ def _tensor_problem(t: torch.Tensor) -> str | None:
         return "nested (jagged) tensors cannot be staged"
     if t.layout is not torch.strided:
         return f"tensors with layout {t.layout} (sparse or opaque) cannot be staged"
-    if t.is_quantized:
+    if t.is_quantized or t.dtype in _QUANTIZED_DTYPES:
         return "quantized tensors cannot be staged"
     if not (t.is_cpu or t.is_cuda):
         if t.is_meta:
@@ -242,26 +253,38 @@ class _Walker:
         self.active.add(key)
         walk = self.walk
         try:
-            if isinstance(obj, dict):
-                keys = tuple(obj)
-                children = tuple([walk(v) for v in obj.values()])
-                if cls is dict:
-                    return (DICT, keys, children)
-                if cls is collections.OrderedDict:
-                    return (ORDERED_DICT, keys, children)
-                if cls is collections.defaultdict:
-                    return (DEFAULT_DICT, keys, children, obj.default_factory)  # type: ignore[attr-defined]
-                return (MAPPING, keys, children, cls)
-            children = tuple([walk(v) for v in obj])
+            if cls is dict:
+                return (DICT, tuple(obj), tuple([walk(v) for v in obj.values()]))
             if cls is list:
-                return (LIST, children)
+                return (LIST, None, tuple([walk(v) for v in obj]))
             if cls is tuple:
-                return (TUPLE, children)
+                return (TUPLE, None, tuple([walk(v) for v in obj]))
             if isinstance(obj, tuple):
-                return (NAMED_TUPLE, children, cls)
-            return (SEQUENCE, children, cls)
+                return (NAMED_TUPLE, None, tuple([walk(v) for v in obj]), cls)
+            return self._reduced(obj)
         finally:
             self.active.discard(key)
+
+    def _reduced(self, obj: Any) -> tuple[Any, ...]:
+        try:
+            reduced = obj.__reduce_ex__(4)
+        except Exception as exc:
+            raise _Invalid(obj, f"{type(obj).__qualname__} cannot be reduced: {exc}") from exc
+        if not isinstance(reduced, tuple) or len(reduced) < 2:
+            raise _Invalid(obj, f"{type(obj).__qualname__} has an unsupported __reduce_ex__")
+        func, args, state, listitems, dictitems = (*reduced, None, None, None)[:5]
+        try:
+            args, state = copy.deepcopy((args, state), self.memo)
+        except Exception as exc:
+            raise _Invalid(obj, f"the attributes of {type(obj).__qualname__} cannot be copied: {exc}") from exc
+        if isinstance(obj, dict):
+            items = list(dictitems) if dictitems is not None else []
+            keys = tuple(k for k, _ in items)
+            children = tuple([self.walk(v) for _, v in items])
+        else:
+            keys = None
+            children = tuple([self.walk(v) for v in listitems]) if listitems is not None else ()
+        return (REDUCED, keys, children, func, args, state)
 
 
 def _find_path(obj: Any, target: Any, path: tuple[Any, ...], seen: set[int]) -> tuple[Any, ...] | None:
@@ -488,22 +511,37 @@ def build(node: Any, tensors: list[torch.Tensor]) -> Any:
     kind = node[0]
     if kind == LEAF:
         return node[1]
-    if kind <= MAPPING:
-        values = [build(child, tensors) for child in node[2]]
-        if kind == DICT:
-            return dict(zip(node[1], values))
-        if kind == ORDERED_DICT:
-            return collections.OrderedDict(zip(node[1], values))
-        if kind == DEFAULT_DICT:
-            out: collections.defaultdict[Any, Any] = collections.defaultdict(node[3])
-            out.update(zip(node[1], values))
-            return out
-        return node[3](zip(node[1], values))
-    values = [build(child, tensors) for child in node[1]]
+    values = [build(child, tensors) for child in node[2]]
+    if kind == DICT:
+        return dict(zip(node[1], values))
     if kind == LIST:
         return values
     if kind == TUPLE:
         return tuple(values)
     if kind == NAMED_TUPLE:
-        return node[2](*values)
-    return node[2](values)
+        return node[3](*values)
+    return _reconstruct(node, values)
+
+
+def _reconstruct(node: tuple[Any, ...], values: list[Any]) -> Any:
+    """Rebuild a REDUCED container as pickle would (see copy._reconstruct)."""
+    _, keys, _, func, args, state = node
+    obj = func(*args)
+    if keys is not None:
+        for key, value in zip(keys, values):
+            obj[key] = value
+    else:
+        for value in values:
+            obj.append(value)
+    if state is not None:
+        setstate = getattr(obj, "__setstate__", None)
+        if setstate is not None:
+            setstate(copy.deepcopy(state))
+        else:
+            if isinstance(state, tuple) and len(state) == 2:
+                state, slots = state
+                for name, value in (slots or {}).items():
+                    setattr(obj, name, copy.deepcopy(value))
+            if state:
+                obj.__dict__.update(copy.deepcopy(state))
+    return obj

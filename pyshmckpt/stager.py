@@ -284,9 +284,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
                     row = np.array([[dense.data_ptr(), offset, dense.nbytes]], dtype=np.uint64)
                     copies.add_event(segment.copy_from_device(row, stream.cuda_stream, device))
                 else:
-                    base = slot.base(source.dtype)
-                    stride = layout.contiguous_stride(tuple(source.shape))
-                    base.as_strided(source.shape, stride, offset // base.itemsize).copy_(source)
+                    _gather_into(slot, source, offset)
         except BaseException as exc:
             _note_cleanup_error(exc, copies.abandon())
             raise
@@ -301,6 +299,20 @@ class ShmStager(*_bases):  # type: ignore[misc]
         else:
             stream.wait_event(producers[device])
         return stream
+
+
+def _gather_into(slot: Slot, source: torch.Tensor, offset: int) -> None:
+    """Copy the elements of a non-dense CPU tensor densely to byte `offset` of the slot."""
+    dtype = source.dtype
+    if not (source.is_conj() or source.is_neg()):
+        # Copy bit patterns through a same-size integer view: exact for every dtype, including
+        # those torch has no copy kernel for (sub-byte and float4 types).
+        dtype = layout.INT_OF_SIZE[dtype.itemsize]
+        source = source.view(dtype)
+    base = slot.base(dtype)
+    stride = layout.contiguous_stride(tuple(source.shape))
+    with torch.no_grad():  # never tie the slot's base into the source's autograd graph
+        base.as_strided(source.shape, stride, offset // base.itemsize).copy_(source.detach())
 
 
 class _Copies:
