@@ -304,10 +304,12 @@ class ShmStager(*_bases):  # type: ignore[misc]
 def _gather_into(slot: Slot, source: torch.Tensor, offset: int) -> None:
     """Copy the elements of a non-dense CPU tensor densely to byte `offset` of the slot."""
     dtype = source.dtype
-    if not (source.is_conj() or source.is_neg()):
+    bits = layout.INT_OF_SIZE.get(dtype.itemsize)
+    if bits is not None and not (source.is_conj() or source.is_neg()):
         # Copy bit patterns through a same-size integer view: exact for every dtype, including
-        # those torch has no copy kernel for (sub-byte and float4 types).
-        dtype = layout.INT_OF_SIZE[dtype.itemsize]
+        # those torch has no copy kernel for (sub-byte and float4 types). complex128 and lazy
+        # conjugate/negative views take torch's own copy, which resolves them.
+        dtype = bits
         source = source.view(dtype)
     base = slot.base(dtype)
     stride = layout.contiguous_stride(tuple(source.shape))

@@ -321,3 +321,15 @@ def pyshmckpt_segments() -> set[str]:
     from conftest import our_segments
 
     return our_segments()
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.complex32, torch.complex64, torch.complex128, torch.float64, torch.bool]
+)
+def test_views_with_gaps_of_every_item_size_are_gathered(stager, dtype):
+    x = torch.arange(48, dtype=torch.float32).reshape(6, 8).to(dtype)
+    source = {"gaps": x[:, ::3], "conj": x.conj()[::2] if x.is_complex() else x[::2]}
+    staged = stager.stage(source)
+    for key, value in source.items():
+        assert staged[key].is_contiguous()
+        assert torch.equal(staged[key], value.resolve_conj())

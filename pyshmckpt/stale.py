@@ -1,0 +1,104 @@
+"""Find and remove segments whose owning process is gone (crash, SIGKILL, whole-node failure).
+
+A segment's name is ``<prefix>-<owner pid>-<32 hex digits>`` and its header records the owner's
+pid and start time (in clock ticks since boot), so a segment is stale when that process no longer
+exists, or when its pid now belongs to a process that started at another time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import knobs
+
+SHM_DIR = Path("/dev/shm")
+_NAME = re.compile(r"^(?P<prefix>.+)-(?P<pid>\d+)-(?P<nonce>[0-9a-f]{32})$")
+_MAGIC = b"PYSHMCKPT-SEG\x00\x00\x00"
+# SegmentHeader in csrc/segment.h: magic[16], version u32, header_size u32, size u64, token[16],
+# owner_pid i64, owner_start_ticks u64.
+_HEADER = struct.Struct("<16sIIQ16sqQ")
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    name: str
+    owner_pid: int
+    owner_start_ticks: int
+    size: int
+    stale: bool
+    reason: str
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot, or None when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return int(fields[19])  # field 22 of the line; fields[0] is field 3
+
+
+def inspect_segment(name: str) -> SegmentInfo | None:
+    """Owner and staleness of one of our segments, or None if `name` is not one of ours."""
+    match = _NAME.match(name)
+    if match is None:
+        return None
+    path = SHM_DIR / name
+    try:
+        st = path.stat()
+        if st.st_uid != os.geteuid():
+            return None
+        with path.open("rb") as f:
+            raw = f.read(_HEADER.size)
+    except (FileNotFoundError, PermissionError):
+        return None
+    pid = int(match["pid"])
+    if len(raw) < _HEADER.size or not raw.startswith(_MAGIC[:13]):
+        # Created but never initialised (the owner died while allocating): judge by the name.
+        alive = process_start_ticks(pid) is not None
+        return SegmentInfo(name, pid, 0, st.st_size, not alive, "no header; owner " + (
+            "alive" if alive else "gone"))  # fmt: skip
+    _, _, _, size, _, owner_pid, start_ticks = _HEADER.unpack(raw)
+    current = process_start_ticks(owner_pid)
+    if current is None:
+        return SegmentInfo(name, owner_pid, start_ticks, size, True, "owner process is gone")
+    if start_ticks and current != start_ticks:
+        return SegmentInfo(name, owner_pid, start_ticks, size, True, "owner pid was reused")
+    return SegmentInfo(name, owner_pid, start_ticks, size, False, "owner is alive")
+
+
+def list_segments(prefix: str | None = None) -> list[SegmentInfo]:
+    """Our segments in /dev/shm whose name starts with `prefix` (default: the configured one)."""
+    prefix = knobs.segment_prefix() if prefix is None else prefix
+    out = []
+    try:
+        names = sorted(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return out
+    for name in names:
+        if not name.startswith(prefix + "-"):
+            continue
+        info = inspect_segment(name)
+        if info is not None:
+            out.append(info)
+    return out
+
+
+def collect_stale_segments(prefix: str | None = None, *, dry_run: bool = False) -> list[SegmentInfo]:
+    """Unlink our segments whose owner is gone; returns what was (or, dry run, would be) removed."""
+    removed = []
+    for info in list_segments(prefix):
+        if not info.stale:
+            continue
+        if not dry_run:
+            try:
+                os.unlink(SHM_DIR / info.name)
+            except FileNotFoundError:
+                continue  # someone else collected it first
+        removed.append(info)
+    return removed
