@@ -323,6 +323,7 @@ def pyshmckpt_segments() -> set[str]:
     return our_segments()
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
 @pytest.mark.parametrize(
     "dtype", [torch.complex32, torch.complex64, torch.complex128, torch.float64, torch.bool]
 )
