@@ -333,4 +333,9 @@ def test_views_with_gaps_of_every_item_size_are_gathered(stager, dtype):
     staged = stager.stage(source)
     for key, value in source.items():
         assert staged[key].is_contiguous()
-        assert torch.equal(staged[key], value.resolve_conj())
+        expected = value.resolve_conj()
+        if dtype is torch.complex32:  # torch has no comparison kernels for ComplexHalf
+            staged_value, expected = staged[key].to(torch.complex64), expected.to(torch.complex64)
+        else:
+            staged_value = staged[key]
+        assert torch.equal(staged_value, expected)
