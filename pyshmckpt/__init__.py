@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from .arena import Arena, Slot, SlotState
+from .channel import CheckpointAbortedError, ProtocolError, WriterDiedError
+from .checkpoint_process import CheckpointProcess, CheckpointProcessConfig, CleanupError
 from .cuda import cuda_available, cuda_compiled
 from .errors import (
     CapacityError,
@@ -16,14 +18,21 @@ from .errors import (
 )
 from .layout import Manifest, TensorEntry
 from .stager import ShmStager, StagedHandle
+from .stale import collect_stale_segments
+from .writer_process import WriterError
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Arena",
     "CapacityError",
+    "CheckpointAbortedError",
+    "CheckpointProcess",
+    "CheckpointProcessConfig",
+    "CleanupError",
     "Manifest",
     "PinningWarning",
+    "ProtocolError",
     "PyshmckptError",
     "ShmStager",
     "Slot",
@@ -35,6 +44,9 @@ __all__ = [
     "StagingTimeoutError",
     "TensorEntry",
     "UnsupportedValueError",
+    "WriterDiedError",
+    "WriterError",
+    "collect_stale_segments",
     "cuda_available",
     "cuda_compiled",
 ]

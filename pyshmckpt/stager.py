@@ -27,6 +27,9 @@ try:  # the _experimental checkpointer's protocol (newer torch only)
 except ImportError:  # pragma: no cover - older torch
     _CheckpointStager = object  # type: ignore[assignment,misc]
 
+# Every live stager, so that a state dict staged by any of them can be found by its consumer.
+_STAGERS: weakref.WeakSet[ShmStager] = weakref.WeakSet()
+
 _bases = tuple(dict.fromkeys(b for b in (_CheckpointStager, _AsyncStager) if b is not object))
 
 
@@ -118,6 +121,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyshmckpt-stage")
         self._closed = False
         self._finalizer = weakref.finalize(self, ShmStager._finalize, self._arenas)
+        _STAGERS.add(self)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -160,6 +164,15 @@ class ShmStager(*_bases):  # type: ignore[misc]
             if slot is not None:
                 return StagedHandle(slot)
         return None
+
+    def segments(self) -> list[tuple[str, int, bytes]]:
+        """(name, data size, token) of every live slot segment, for a process that attaches them."""
+        return [
+            (slot.name, slot.segment.size, slot.segment.token)
+            for arena in list(self._arenas)
+            if not arena.closed
+            for slot in arena.slots
+        ]
 
     def release(self, staged: Any) -> None:
         """Declare a staged state dict done with: its slot may be overwritten by the next stage.
@@ -367,3 +380,14 @@ def _shift(rows: np.ndarray, offset: int) -> np.ndarray:
     shifted = rows.copy()
     shifted[:, 1] += np.uint64(offset)
     return shifted
+
+
+def find_staged(staged: Any) -> tuple[ShmStager, StagedHandle] | None:
+    """The stager (of any live ShmStager) that staged `staged`, and its handle; else None."""
+    for stager in list(_STAGERS):
+        if stager.closed:
+            continue
+        handle = stager.handle(staged)
+        if handle is not None:
+            return stager, handle
+    return None

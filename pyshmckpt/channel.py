@@ -1,0 +1,103 @@
+"""The control channel between the trainer and its writer process.
+
+Requests and responses are small pickled messages over a duplex pipe; each request carries an id
+and, for writes, the slot generation, which the response must repeat. Every wait here is bounded
+and wakes at once when the peer process exits: the pipe is waited on together with the process
+sentinel (`multiprocessing.connection.wait`), never by sleeping and polling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import signal
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from .errors import PyshmckptError
+
+
+class Kind(enum.Enum):
+    INIT = "init"  # child -> parent once: the writer is built (or failed to build)
+    WRITE = "write"  # persist one staged slot
+    TERMINATE = "terminate"  # finish queued work, close the writer, exit
+
+
+@dataclasses.dataclass
+class Request:
+    kind: Kind
+    id: int
+    generation: int = -1
+    payload: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Response:
+    kind: Kind
+    id: int
+    ok: bool
+    generation: int = -1
+    error: str | None = None  # the child's formatted traceback
+    payload: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class WriterDiedError(PyshmckptError, RuntimeError):
+    """The writer process exited while work was pending; the message says how it exited."""
+
+
+class ProtocolError(PyshmckptError, RuntimeError):
+    """The writer answered something other than what was asked (wrong id, kind or generation)."""
+
+
+class CheckpointAbortedError(PyshmckptError, RuntimeError):
+    """The write was abandoned by close(abort=True)."""
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """'exit code 3', 'signal SIGKILL' or 'still running' for a multiprocessing exitcode."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+class ChannelClosed(Exception):
+    """The peer closed its end (EOF) or the pipe broke."""
+
+
+def receive(conn: Connection, sentinel: int, timeout: float | None) -> Response | None:
+    """Wait up to `timeout` s for a message; None on timeout.
+
+    Raises ChannelClosed when the peer's end is closed or its process exited with nothing left
+    to read (a message sent just before the exit is still returned).
+    """
+    ready = wait([conn, sentinel], timeout)
+    if not ready:
+        return None
+    if conn in ready or conn.poll(0):
+        try:
+            return conn.recv()  # type: ignore[no-any-return]
+        except (EOFError, OSError) as exc:
+            raise ChannelClosed(str(exc)) from exc
+    raise ChannelClosed("the peer process exited")
+
+
+def send(conn: Connection, message: Request | Response) -> None:
+    """Send a message; raises ChannelClosed if the peer is gone."""
+    try:
+        conn.send(message)
+    except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
+        raise ChannelClosed(str(exc)) from exc
+
+
+def wakeup_pipe() -> tuple[int, int]:
+    """A non-blocking pipe used to interrupt a dispatcher waiting in `wait()`."""
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    return r, w
