@@ -74,6 +74,11 @@ RATIOS = [
     ("torch DefaultStager bandwidth, 8192 tensors / numpy.copyto", "copyto", "torch_steady_8192"),
     ("torch DefaultStager first / steady, 8192 tensors", "torch_first_8192", "torch_steady_8192"),
     ("ours vs torch DefaultStager speed-up, steady, 8192 tensors", "torch_steady_8192", "ours_steady_8192"),
+    ("end to end speed-up over torch, ShmStager, 8192 tensors", "e2e_torch_8192", "e2e_ours_shm_8192"),
+    ("end to end speed-up over torch, plain dict, 8192 tensors", "e2e_torch_8192", "e2e_ours_plain_8192"),
+    ("end to end speed-up over torch, ShmStager, 256 tensors", "e2e_torch_256", "e2e_ours_shm_256"),
+    ("end to end speed-up over torch, plain dict, 256 tensors", "e2e_torch_256", "e2e_ours_plain_256"),
+    ("handoff speed-up over torch, 8192 tensors", "handoff_torch_8192", "handoff_ours_8192"),
 ]
 
 

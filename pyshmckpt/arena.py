@@ -1,10 +1,11 @@
-"""An arena: one shared-memory segment split into slots, each with a torch storage over it.
+"""An arena: a ring of slots, each one shared-memory segment with a torch storage over it.
 
 Slot life cycle (every transition is checked, also under ``python -O``)::
 
-    FREE -> STAGING -> READY -> WRITING -> FREE
-               |          \\-----------------> FREE   (released, or no longer referenced)
-               \\--------------------------> FREE     (staging failed)
+    FREE -> STAGING -> READY -> WRITING -> FREE   (written; staged internally)
+               |        |  ^----------'          (written; the caller still holds it)
+               |        \\---------------> FREE   (released, or no longer referenced)
+               \\-----------------------> FREE   (staging failed)
 
 A READY slot is handed out as a staged state dict. It becomes FREE when its consumer releases it
 or when nothing in this process references its tensors any more. Device copies that may still be
@@ -40,7 +41,7 @@ _TRANSITIONS = {
     SlotState.FREE: {SlotState.STAGING},
     SlotState.STAGING: {SlotState.READY, SlotState.FREE},
     SlotState.READY: {SlotState.WRITING, SlotState.FREE},
-    SlotState.WRITING: {SlotState.FREE},
+    SlotState.WRITING: {SlotState.FREE, SlotState.READY},
 }
 
 

@@ -264,9 +264,11 @@ class CheckpointProcess:
         result: Future[None] = Future()
 
         def done(f: Future[Any]) -> None:
-            # The writer has answered, died or been killed: it no longer reads the slot.
+            # The writer has answered, died or been killed: it no longer reads the slot. A slot
+            # staged here is free now; one staged by the caller's stager is READY again, and
+            # frees itself once the caller drops the staged state dict (or releases it).
             self._inflight.pop(handle.generation, None)
-            arena.transition(slot, SlotState.FREE)
+            arena.transition(slot, SlotState.FREE if owned is not None else SlotState.READY)
             exc = f.exception()
             if exc is not None:
                 result.set_exception(exc)

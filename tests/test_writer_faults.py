@@ -1,0 +1,818 @@
+"""Fault injection for the writer subprocess of CheckpointProcess.
+
+Real spawned writers are killed, stopped, hung, made to raise, to exit, to time out and to answer
+the wrong generation; the trainer itself is SIGKILLed; stale segments of dead owners are
+collected. Every wait is bounded, and every CheckpointProcess is closed by a fixture, so no writer
+process and no segment of this session outlives its test (conftest checks the segments).
+
+Code that runs in the writer (RecordingWriter and the init functions) is at module level, so the
+spawned child can import it, and uses no bare ``assert`` (it would vanish under ``python -O``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import pyshmckpt
+from pyshmckpt import (
+    CheckpointAbortedError,
+    CheckpointProcess,
+    CheckpointProcessConfig,
+    CleanupError,
+    ProtocolError,
+    WriterDiedError,
+    WriterError,
+    _C,
+    stale,
+    writer_process,
+)
+from pyshmckpt.channel import Kind, Request
+
+SHM = Path("/dev/shm")
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = Path(pyshmckpt.__file__).resolve().parent.parent
+SPAWN_TIMEOUT = 60.0  # a real spawn takes 1-3 s here; generous for loaded machines
+
+
+# --------------------------------------------------------------------------------------------
+# code that runs in the writer subprocess
+# --------------------------------------------------------------------------------------------
+
+
+def digest_tree(tree: Any) -> dict[str, Any]:
+    """dtype, shape and sha256 of the bytes of every tensor (and repr of every other leaf)."""
+    out: dict[str, Any] = {}
+
+    def visit(node: Any, path: str) -> None:
+        if isinstance(node, torch.Tensor):
+            flat = node.detach().contiguous().reshape(-1)
+            raw = flat.view(torch.uint8).numpy().tobytes()
+            out[path] = {
+                "dtype": str(node.dtype),
+                "shape": list(node.shape),
+                "sha256": hashlib.sha256(raw).hexdigest(),
+            }
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                visit(value, f"{path}/{key}")
+        elif isinstance(node, (list, tuple)):
+            for index, value in enumerate(node):
+                visit(value, f"{path}/{index}")
+        else:
+            out[path] = repr(node)
+
+    visit(tree, "")
+    return out
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _hang() -> None:
+    while True:
+        time.sleep(0.05)
+
+
+class RecordingWriter:
+    """A checkpoint writer whose behaviour is chosen per process (`mode`) or per write (kwargs).
+
+    Each write first appends to ``<out_dir>/log.txt`` and leaves ``<path>.started`` (holding the
+    writer's pid), then sleeps `delay` s and does what `mode` says; "ok" saves a json record of
+    the pid, rank_info, remaining kwargs and `digest_tree` of the state dict at `path`.
+    """
+
+    def __init__(self, rank_info: Any, out_dir: str, mode: str = "ok", delay: float = 0.0) -> None:
+        if mode == "fail_init":
+            raise LookupError("RecordingWriter cannot find its storage backend")
+        self.rank_info = rank_info
+        self.out_dir = Path(out_dir)
+        self.mode = mode
+        self.delay = delay
+
+    def _log(self, text: str) -> None:
+        with (self.out_dir / "log.txt").open("a") as log:
+            log.write(f"{os.getpid()} {text}\n")
+
+    def write(self, path: str, state_dict: Any, **kwargs: Any) -> None:
+        mode = kwargs.pop("mode", self.mode)
+        delay = kwargs.pop("delay", self.delay)
+        target = Path(path)
+        self._log(f"start {target.name}")
+        _atomic_write(Path(f"{target}.started"), str(os.getpid()))
+        if delay:
+            time.sleep(delay)
+        if mode == "raise":
+            raise ValueError(f"writer refused {target.name}: disk on fire")
+        if mode == "hang":
+            _hang()
+        if mode == "hang_ignoring_sigterm":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            _hang()
+        if mode == "exit":
+            os._exit(7)
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+            _hang()
+        if mode == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+            _hang()  # continued by mistake: still never answers
+        if mode != "ok":
+            raise ValueError(f"unknown mode {mode!r}")
+        record = {
+            "pid": os.getpid(),
+            "rank_info": self.rank_info,
+            "kwargs": kwargs,
+            "digest": digest_tree(state_dict),
+        }
+        _atomic_write(target, json.dumps(record))
+        self._log(f"done {target.name}")
+
+    def close(self) -> None:
+        _atomic_write(self.out_dir / f"closed-{os.getpid()}", "closed")
+
+
+def init_ok(*args: Any) -> None:
+    pass
+
+
+def init_raise(message: str) -> None:
+    raise OSError(message)
+
+
+def init_sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def init_exit(code: int) -> None:
+    os._exit(code)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers (parent side)
+# --------------------------------------------------------------------------------------------
+
+
+def make_state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {
+            "w": torch.randn(64, 32, generator=g),
+            "b": torch.arange(32, dtype=torch.int64) * (step + 1),
+        },
+        "optim": {"step": torch.tensor(float(step)), "lr": 1e-3},
+        "step": step,
+    }
+
+
+def expected_digest(state_dict: Any) -> dict[str, Any]:
+    return json.loads(json.dumps(digest_tree(state_dict)))
+
+
+def read_record(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll `predicate` (every 10 ms) until true; returns the seconds it took."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def wait_started(target: Path, timeout: float = SPAWN_TIMEOUT) -> int:
+    """Wait until the writer entered write() for `target`; returns the writer's pid."""
+    marker = Path(f"{target}.started")
+    wait_until(marker.exists, timeout, f"the writer to start {target.name}")
+    return int(marker.read_text())
+
+
+def failure_of(future: Future[Any], timeout: float) -> BaseException:
+    """The exception `future` fails with, waiting at most `timeout` s (never confused with a
+    TimeoutError of the wait itself)."""
+    done, _ = concurrent.futures.wait([future], timeout)
+    assert done, f"the future did not resolve within {timeout}s"
+    exc = future.exception()
+    assert exc is not None, "the future succeeded but a failure was expected"
+    return exc
+
+
+def proc_state(pid: int) -> str | None:
+    """The state letter of `pid` in /proc (R, S, T, Z, ...) or None when there is no such pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return stat[stat.rfind(")") + 2]
+
+
+def pid_exists(pid: int) -> bool:
+    """True while `pid` exists at all (a zombie not yet reaped counts)."""
+    return proc_state(pid) is not None
+
+
+def pid_running(pid: int) -> bool:
+    """True while `pid` exists and has not exited (zombies are dead)."""
+    return proc_state(pid) not in (None, "Z", "X")
+
+
+def kill_quietly(pid: int | None) -> None:
+    if pid is not None and pid_running(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def child_env() -> dict[str, str]:
+    """This environment (segment prefix included), with pyshmckpt and this directory importable."""
+    env = dict(os.environ)
+    paths = [str(REPO_ROOT), str(HERE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+@pytest.fixture
+def make_cp(tmp_path: Path) -> Iterator[Callable[..., CheckpointProcess]]:
+    """Build CheckpointProcesses with a RecordingWriter writing under tmp_path; all are closed
+    (abort) and all their writer processes killed at teardown."""
+    made: list[CheckpointProcess] = []
+    pids: set[int] = set()
+
+    def make(
+        mode: str = "ok",
+        delay: float = 0.0,
+        init_fn: Callable[..., Any] = init_ok,
+        init_args: tuple[Any, ...] = (),
+        **overrides: Any,
+    ) -> CheckpointProcess:
+        settings: dict[str, Any] = {
+            "subprocess_init_timeout_secs": SPAWN_TIMEOUT,
+            "subprocess_shutdown_timeout_secs": 2,
+            "write_timeout_secs": 30,
+            "slot_timeout_secs": 10,
+        }
+        settings.update(overrides)
+        cp = CheckpointProcess(
+            {"rank": 0, "world_size": 1},
+            CheckpointProcessConfig(**settings),
+            init_fn,
+            init_args,
+            RecordingWriter,
+            {"out_dir": str(tmp_path), "mode": mode, "delay": delay},
+        )
+        made.append(cp)
+        return cp
+
+    yield make
+    for cp in made:
+        if cp.pid is not None:
+            pids.add(cp.pid)
+        with contextlib.suppress(Exception):
+            cp.close(abort=True)
+    for pid in pids:
+        kill_quietly(pid)
+
+
+def started(cp: CheckpointProcess) -> int:
+    cp.process_creation_future.result(timeout=SPAWN_TIMEOUT)
+    pid = cp.pid
+    assert pid is not None and pid_running(pid)
+    return pid
+
+
+def write_ok(cp: CheckpointProcess, target: Path, step: int, **kwargs: Any) -> dict[str, Any]:
+    """A write that must succeed; returns the writer's record, checked against the source."""
+    state = make_state(step)
+    digest = expected_digest(state)
+    cp.write(state, str(target), **kwargs).result(timeout=SPAWN_TIMEOUT)
+    record = read_record(target)
+    assert record["digest"] == digest
+    assert record["rank_info"] == {"rank": 0, "world_size": 1}
+    return record
+
+
+# --------------------------------------------------------------------------------------------
+# the writer dies
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_sigkill_mid_write_fails_the_write_at_once_then_the_next_write_restarts(make_cp, tmp_path):
+    cp = make_cp(mode="hang", max_restarts=3)
+    started(cp)
+    killed: list[int] = []
+    for i in range(3):
+        target = tmp_path / f"killed-{i}"
+        future = cp.write(make_state(i), str(target))  # restarts the writer for i > 0
+        pid = wait_started(target)
+        assert pid == cp.pid
+        assert pid not in killed
+        assert not future.done()
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        exc = failure_of(future, 10)
+        latency = time.monotonic() - killed_at
+        assert isinstance(exc, WriterDiedError), repr(exc)
+        assert isinstance(exc, RuntimeError)
+        assert "signal SIGKILL" in str(exc)
+        assert f"pid {pid}" in str(exc)
+        assert latency < 2.0, f"the write failed {latency:.2f}s after the kill"
+        assert not pid_running(pid)
+        assert not target.exists()
+        killed.append(pid)
+
+    # The third restart: a write that succeeds, on a fresh process, with the right bytes.
+    target = tmp_path / "survivor"
+    record = write_ok(cp, target, 42, mode="ok", tag="final")
+    assert record["pid"] == cp.pid
+    assert record["pid"] not in killed
+    assert record["kwargs"] == {"tag": "final"}
+    assert not any(target.with_name(f"killed-{i}").exists() for i in range(3))
+
+
+@pytest.mark.parametrize(
+    ("mode", "exit_text"), [("exit", "exit code 7"), ("kill", "signal SIGKILL")]
+)
+def test_restart_budget(make_cp, tmp_path, mode, exit_text):
+    cp = make_cp(mode="ok", max_restarts=1)
+    first = started(cp)
+    write_ok(cp, tmp_path / "first", 0)
+
+    # Death 1, while idle: noticed (and reaped) without any write pending.
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: not pid_exists(first), 10, "the idle writer to be reaped")
+
+    # The next write restarts it (budget 1 -> spent) and dies in write(): death 2.
+    target = tmp_path / "dies"
+    future = cp.write(make_state(1), str(target), mode=mode)
+    second = cp.pid
+    assert second != first
+    exc = failure_of(future, 30)
+    assert isinstance(exc, WriterDiedError), repr(exc)
+    assert exit_text in str(exc)
+    assert f"pid {second}" in str(exc)
+    assert wait_started(target, 1) == second
+    assert not target.exists()
+
+    # Third write: no restart left.
+    with pytest.raises(WriterDiedError, match=r"restart budget \(1\) is spent"):
+        cp.write(make_state(2), str(tmp_path / "never"))
+    assert cp.pid == second
+    assert not Path(f"{tmp_path / 'never'}.started").exists()
+    cp.close()  # a dead writer closes cleanly
+
+
+# --------------------------------------------------------------------------------------------
+# hung and stopped writers
+# --------------------------------------------------------------------------------------------
+
+
+def test_close_with_a_hung_writer_escalates_to_sigterm_and_is_bounded(make_cp, tmp_path):
+    cp = make_cp(mode="hang", subprocess_shutdown_timeout_secs=1)
+    started(cp)
+    target = tmp_path / "hung"
+    future = cp.write(make_state(0), str(target))
+    pid = wait_started(target)
+
+    t0 = time.monotonic()
+    with pytest.raises(CleanupError, match="SIGTERM") as info:
+        cp.close()
+    elapsed = time.monotonic() - t0
+    assert 0.9 <= elapsed < 4.0, f"close() took {elapsed:.2f}s"
+    assert any(isinstance(e, TimeoutError) for e in info.value.errors)
+    assert not pid_running(pid)
+    exc = failure_of(future, 1)
+    assert isinstance(exc, WriterDiedError), repr(exc)
+    assert "SIGTERM" in str(exc)
+    assert not (tmp_path / f"closed-{pid}").exists()  # the writer never got to close()
+    cp.close()  # idempotent: nothing raised the second time
+    with pytest.raises(pyshmckpt.PyshmckptError, match="closed"):
+        cp.write(make_state(1), str(tmp_path / "after-close"))
+
+
+def test_close_with_a_writer_ignoring_sigterm_escalates_to_sigkill(make_cp, tmp_path):
+    cp = make_cp(mode="hang_ignoring_sigterm", subprocess_shutdown_timeout_secs=1)
+    started(cp)
+    target = tmp_path / "stubborn"
+    future = cp.write(make_state(0), str(target))
+    pid = wait_started(target)
+    time.sleep(0.2)  # let it install SIG_IGN (it does so right after the marker)
+
+    t0 = time.monotonic()
+    with pytest.raises(CleanupError, match="ignored SIGTERM; sent SIGKILL"):
+        cp.close()
+    elapsed = time.monotonic() - t0
+    assert 1.8 <= elapsed < 6.0, f"close() took {elapsed:.2f}s"
+    assert not pid_running(pid)
+    exc = failure_of(future, 1)
+    assert isinstance(exc, WriterDiedError), repr(exc)
+    assert "signal SIGKILL" in str(exc)
+
+
+def test_graceful_close_finishes_the_pending_write_and_closes_the_writer(make_cp, tmp_path):
+    cp = make_cp(mode="ok", delay=0.5, subprocess_shutdown_timeout_secs=10)
+    pid = started(cp)
+    target = tmp_path / "last"
+    state = make_state(3)
+    future = cp.write(state, str(target))
+    t0 = time.monotonic()
+    cp.close()  # no error: TERMINATE is served after the queued write
+    elapsed = time.monotonic() - t0
+    assert elapsed < 8.0, f"close() took {elapsed:.2f}s"
+    assert future.done()
+    assert future.exception() is None
+    assert read_record(target)["digest"] == expected_digest(state)
+    assert (tmp_path / f"closed-{pid}").exists()  # writer.close() ran in the child
+    assert not pid_exists(pid)
+
+
+@pytest.mark.parametrize("mode", ["hang", "stop"])
+def test_write_timeout_kills_the_writer_first_then_the_next_writes_restart(make_cp, tmp_path, mode):
+    cp = make_cp(mode=mode, write_timeout_secs=1.5, slots=2, slot_timeout_secs=2)
+    old = started(cp)
+
+    t0 = time.monotonic()
+    seen: dict[str, Any] = {}
+    target = tmp_path / "overrun"
+    first = cp.write(make_state(0), str(target))
+    first.add_done_callback(lambda f: seen.update(exists=pid_exists(old), at=time.monotonic()))
+    # A second write queued behind it fails too: the writer serving it is killed.
+    second = cp.write(make_state(1), str(tmp_path / "queued"))
+    assert wait_started(target) == old
+    if mode == "stop":
+        wait_until(lambda: proc_state(old) == "T", 5, "the writer to stop itself")
+
+    exc = failure_of(first, 15)
+    assert type(exc) is TimeoutError, repr(exc)
+    assert "timed out" in str(exc) and "killed" in str(exc)
+    assert "signal SIGKILL" in str(exc)
+    assert seen["exists"] is False, "the write failed before its writer was killed and reaped"
+    took = seen["at"] - t0
+    assert 1.4 <= took < 4.5, f"the timeout fired after {took:.2f}s"
+    exc2 = failure_of(second, 1)
+    assert isinstance(exc2, WriterDiedError), repr(exc2)
+    assert "another write timed out" in str(exc2)
+    assert not Path(f"{tmp_path / 'queued'}.started").exists()
+
+    # Both slots were freed and the writer is restarted: two back-to-back writes succeed
+    # (a slot still held would fail the second with SlotsBusyError after 2 s).
+    states = [make_state(10), make_state(11)]
+    futures = [cp.write(s, str(tmp_path / f"after-{i}"), mode="ok") for i, s in enumerate(states)]
+    for future in futures:
+        future.result(timeout=SPAWN_TIMEOUT)
+    new = cp.pid
+    assert new != old
+    for i, state in enumerate(states):
+        record = read_record(tmp_path / f"after-{i}")
+        assert record["pid"] == new
+        assert record["digest"] == expected_digest(state)
+
+
+def test_abort_with_writes_pending_returns_at_once(make_cp, tmp_path):
+    cp = make_cp(mode="hang", subprocess_shutdown_timeout_secs=30)
+    started(cp)
+    target = tmp_path / "hung"
+    first = cp.write(make_state(0), str(target))
+    second = cp.write(make_state(1), str(tmp_path / "queued"))
+    pid = wait_started(target)
+
+    t0 = time.monotonic()
+    cp.close(abort=True)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 2.0, f"close(abort=True) took {elapsed:.2f}s"
+    for future in (first, second):
+        exc = failure_of(future, 1)
+        assert isinstance(exc, CheckpointAbortedError), repr(exc)
+    assert not pid_running(pid)
+    cp.close(abort=True)
+    cp.close()
+
+
+# --------------------------------------------------------------------------------------------
+# the writer raises; initialisation fails
+# --------------------------------------------------------------------------------------------
+
+
+def test_writer_that_raises_fails_that_write_only(make_cp, tmp_path):
+    # One slot: a failed write that kept its slot would make the next one time out waiting.
+    cp = make_cp(mode="ok", slots=1, slot_timeout_secs=2)
+    pid = started(cp)
+    future = cp.write(make_state(0), str(tmp_path / "bad"), mode="raise")
+    exc = failure_of(future, 30)
+    assert type(exc) is WriterError, repr(exc)
+    assert isinstance(exc, RuntimeError)
+    text = str(exc)
+    assert "Traceback (most recent call last)" in text
+    assert "ValueError: writer refused bad: disk on fire" in text
+    assert "in write" in text  # the frame of RecordingWriter.write
+    assert not (tmp_path / "bad").exists()
+
+    record = write_ok(cp, tmp_path / "good", 1)
+    assert record["pid"] == pid == cp.pid  # same process: no restart
+    assert pid_running(pid)
+
+
+@pytest.mark.parametrize("where", ["subprocess_init_fn", "checkpoint_writer_init_fn"])
+def test_init_failure_carries_the_child_traceback(make_cp, tmp_path, where):
+    if where == "subprocess_init_fn":
+        cp = make_cp(init_fn=init_raise, init_args=("no scratch space at /nonexistent",))
+        expected = ["OSError: no scratch space at /nonexistent", "in init_raise"]
+    else:
+        cp = make_cp(mode="fail_init")
+        expected = ["LookupError: RecordingWriter cannot find its storage backend", "in __init__"]
+    exc = failure_of(cp.process_creation_future, SPAWN_TIMEOUT)
+    assert type(exc) is RuntimeError, repr(exc)
+    text = str(exc)
+    assert "Traceback (most recent call last)" in text
+    for part in expected:
+        assert part in text
+    pid = cp.pid
+    assert pid is not None
+    wait_until(lambda: not pid_running(pid), 10, "the failed writer to exit")
+
+    with pytest.raises(RuntimeError, match="failed to initialize") as info:
+        cp.write(make_state(0), str(tmp_path / "never"))
+    assert expected[0] in str(info.value)
+    assert cp.pid == pid  # no restart of a writer that never initialised
+    cp.close()
+
+
+def test_init_that_exits_is_reported_with_its_exit_code(make_cp, tmp_path):
+    cp = make_cp(init_fn=init_exit, init_args=(3,))
+    exc = failure_of(cp.process_creation_future, SPAWN_TIMEOUT)
+    assert type(exc) is RuntimeError, repr(exc)
+    assert "exited during initialization" in str(exc)
+    assert "exit code 3" in str(exc)
+    with pytest.raises(RuntimeError, match="exit code 3"):
+        cp.write(make_state(0), str(tmp_path / "never"))
+    cp.close()
+
+
+def test_init_timeout(make_cp, tmp_path):
+    t0 = time.monotonic()
+    cp = make_cp(init_fn=init_sleep, init_args=(120,), subprocess_init_timeout_secs=1)
+    exc = failure_of(cp.process_creation_future, 15)
+    elapsed = time.monotonic() - t0
+    assert type(exc) is TimeoutError, repr(exc)
+    assert str(exc).startswith("Timed out"), str(exc)
+    assert elapsed < 8.0, f"the init timeout fired after {elapsed:.2f}s"
+    pid = cp.pid
+    assert pid is not None
+    assert not pid_running(pid)  # killed before the future failed
+    with pytest.raises(TimeoutError, match="^Timed out"):
+        cp.write(make_state(0), str(tmp_path / "never"))
+    cp.close()
+
+
+# --------------------------------------------------------------------------------------------
+# queueing and the protocol
+# --------------------------------------------------------------------------------------------
+
+
+def test_back_to_back_writes_with_two_slots_all_land_in_order(make_cp, tmp_path):
+    cp = make_cp(mode="ok", delay=0.2, slots=2, slot_timeout_secs=20)
+    pid = started(cp)
+    source = {"w": torch.zeros(128, 64), "step": torch.tensor(0), "meta": {"name": "run"}}
+    futures, digests, overlapped = [], [], 0
+    for i in range(6):
+        with torch.no_grad():
+            source["w"].copy_(torch.arange(128 * 64, dtype=torch.float32).reshape(128, 64) * i)
+            source["step"].fill_(i)
+        digests.append(expected_digest(source))
+        futures.append(cp.write(source, str(tmp_path / f"step-{i}"), step=i))
+        # write() has staged a copy: the writer must still see step i after this.
+        with torch.no_grad():
+            source["w"].fill_(-1.0)
+        if i and not futures[i - 1].done():
+            overlapped += 1  # write i was queued while write i-1 was being persisted
+    for future in futures:
+        future.result(timeout=30)
+    assert overlapped >= 1
+    for i in range(6):
+        record = read_record(tmp_path / f"step-{i}")
+        assert record["pid"] == pid
+        assert record["kwargs"] == {"step": i}
+        assert record["digest"] == digests[i], f"step {i} was not written from its snapshot"
+    log = (tmp_path / "log.txt").read_text().split("\n")
+    starts = [line.split()[-1] for line in log if " start " in line]
+    assert starts == [f"step-{i}" for i in range(6)]
+
+
+@pytest.mark.parametrize("field", ["generation", "id"])
+def test_reply_that_matches_no_pending_request_is_a_protocol_error(make_cp, tmp_path, monkeypatch, field):
+    cp = make_cp(mode="ok")
+    old = started(cp)
+    real_send = writer_process.send
+
+    def skewed_send(conn: Any, message: Any) -> None:
+        # Parent side only: the WRITE request that reaches the child carries another generation
+        # (or id) than the one the parent recorded, so the child's reply cannot match it.
+        if isinstance(message, Request) and message.kind is Kind.WRITE:
+            message = dataclasses.replace(message, **{field: getattr(message, field) + 1})
+        real_send(conn, message)
+
+    monkeypatch.setattr(writer_process, "send", skewed_send)
+    seen: dict[str, Any] = {}
+    state = make_state(0)
+    target = tmp_path / "skewed"
+    future = cp.write(state, str(target))
+    future.add_done_callback(lambda f: seen.update(exists=pid_exists(old)))
+    exc = failure_of(future, 30)
+    assert type(exc) is ProtocolError, repr(exc)
+    assert isinstance(exc, RuntimeError)
+    assert "does not match any pending request" in str(exc)
+    assert seen["exists"] is False, "the write failed before the writer was killed and reaped"
+    # The child did write it (it got a consistent request); only the reply was rejected.
+    assert read_record(target)["digest"] == expected_digest(state)
+
+    monkeypatch.undo()
+    record = write_ok(cp, tmp_path / "after", 1)
+    assert record["pid"] == cp.pid != old
+
+
+# --------------------------------------------------------------------------------------------
+# the trainer dies; stale segments
+# --------------------------------------------------------------------------------------------
+
+TRAINER = textwrap.dedent(
+    """
+    import json, os, sys, time
+
+    import torch
+
+    from pyshmckpt import CheckpointProcess, CheckpointProcessConfig
+    from test_writer_faults import RecordingWriter, init_ok
+
+
+    def main():
+        out_dir, phase = sys.argv[1], sys.argv[2]
+        cp = CheckpointProcess(
+            {"rank": 0, "world_size": 1},
+            CheckpointProcessConfig(
+                subprocess_init_timeout_secs=60, subprocess_shutdown_timeout_secs=2,
+                write_timeout_secs=300,
+            ),
+            init_ok, (), RecordingWriter, {"out_dir": out_dir},
+        )
+        state = {"w": torch.arange(4096, dtype=torch.float32), "step": 1}
+        cp.write(state, os.path.join(out_dir, "first"), mode="ok").result(timeout=60)
+        if phase == "mid-write":
+            cp.write(state, os.path.join(out_dir, "second"), mode="hang")
+            marker = os.path.join(out_dir, "second.started")
+            deadline = time.monotonic() + 60
+            while not os.path.exists(marker) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        info = {"writer": cp.pid, "segments": [name for name, _, _ in cp.stager.segments()]}
+        tmp = os.path.join(out_dir, "info.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+        os.replace(tmp, os.path.join(out_dir, "info.json"))
+        time.sleep(300)
+
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("phase", ["idle", "mid-write"])
+def test_sigkill_of_the_trainer_stops_the_writer_and_removes_the_segments(tmp_path, phase):
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    out = tmp_path / "out"
+    out.mkdir()
+    stderr = (tmp_path / "trainer.err").open("w")
+    trainer = subprocess.Popen(
+        [sys.executable, str(script), str(out), phase],
+        stdout=subprocess.DEVNULL, stderr=stderr, env=child_env(), cwd=str(tmp_path),
+    )  # fmt: skip
+    info_file = out / "info.json"
+    writer_pid: int | None = None
+    segments: list[str] = []
+    try:
+
+        def ready() -> bool:
+            if trainer.poll() is not None:
+                raise AssertionError(
+                    f"the trainer exited ({trainer.returncode}):\n"
+                    + (tmp_path / "trainer.err").read_text()
+                )
+            return info_file.exists()
+
+        wait_until(ready, 90, "the trainer to write once")
+        info = json.loads(info_file.read_text())
+        writer_pid, segments = info["writer"], info["segments"]
+        assert segments
+        assert all((SHM / name).exists() for name in segments)
+        assert pid_running(writer_pid)
+        assert read_record(out / "first")["digest"] == expected_digest(
+            {"w": torch.arange(4096, dtype=torch.float32), "step": 1}
+        )
+
+        trainer.kill()
+        trainer.wait(10)
+        took = wait_until(
+            lambda: not pid_running(writer_pid)
+            and not any((SHM / name).exists() for name in segments),
+            10,
+            "the orphaned writer to exit and unlink the trainer's segments",
+        )
+        assert took < 10
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait(10)
+        kill_quietly(writer_pid)
+        stderr.close()
+        for name in segments:  # only after a failure above; the leak check reports it too
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(SHM / name)
+
+
+def _make_orphan_segment(prefix: str) -> str:
+    """A segment created by a process that exited without closing it."""
+    code = (
+        "import os, sys\n"
+        "from pyshmckpt import _C\n"
+        "segment = _C.Segment.create(4096, sys.argv[1])\n"
+        "print(segment.name, flush=True)\n"
+        "os._exit(0)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, prefix],
+        capture_output=True, text=True, timeout=120, env=child_env(), check=True,
+    )  # fmt: skip
+    name = done.stdout.strip()
+    assert name.startswith(prefix + "-")
+    return name
+
+
+def _fake_header_segment(prefix: str, owner_pid: int, start_ticks: int) -> str:
+    """A segment file whose header names `owner_pid` with the given start time."""
+    name = f"{prefix}-{owner_pid}-{os.urandom(16).hex()}"
+    header = stale._HEADER.pack(stale._MAGIC, 1, stale._HEADER.size, 4096, b"\0" * 16, owner_pid, start_ticks)
+    (SHM / name).write_bytes(header + b"\0" * 64)
+    return name
+
+
+def test_stale_segments_of_dead_owners_are_collected_and_live_ones_kept(tmp_path):
+    prefix = os.environ["PYSHMCKPT_SEGMENT_PREFIX"]
+    created: list[str] = []
+    live = None
+    try:
+        orphan = _make_orphan_segment(prefix)
+        created.append(orphan)
+        # Our own pid with another start time: the pid was reused by a new process.
+        reused = _fake_header_segment(prefix, os.getpid(), stale.process_start_ticks(os.getpid()) + 1)
+        created.append(reused)
+        live = _C.Segment.create(4096, prefix)
+        assert (SHM / orphan).exists() and (SHM / live.name).exists()
+
+        dry = subprocess.run(
+            [sys.executable, "-m", "pyshmckpt", "gc", "--dry-run"],
+            capture_output=True, text=True, timeout=120, env=child_env(), check=True,
+        )  # fmt: skip
+        lines = dry.stdout.splitlines()
+        assert any(line.startswith("would remove") and orphan in line for line in lines), dry.stdout
+        assert any(line.startswith("would remove") and reused in line for line in lines), dry.stdout
+        assert any(line.startswith("kept") and live.name in line for line in lines), dry.stdout
+        assert (SHM / orphan).exists() and (SHM / reused).exists()  # a dry run removes nothing
+
+        removed = {info.name: info for info in pyshmckpt.collect_stale_segments()}
+        assert orphan in removed and reused in removed
+        assert removed[orphan].reason == "owner process is gone"
+        assert removed[reused].reason == "owner pid was reused"
+        assert live.name not in removed
+        assert not (SHM / orphan).exists() and not (SHM / reused).exists()
+        assert (SHM / live.name).exists()
+        assert pyshmckpt.collect_stale_segments() == []  # nothing stale is left
+    finally:
+        if live is not None:
+            live.close()
+        for name in created:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(SHM / name)
+
