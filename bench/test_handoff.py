@@ -17,6 +17,7 @@ alone" is the time from write() of an already-staged state dict until the writer
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_state, record
@@ -39,10 +40,10 @@ class PageTouchingWriter:
         self.rank_info = rank_info
 
     def write(self, path: str, state_dict, **kwargs) -> None:
-        total = 0
-        for t in state_dict.values():
-            total += int(t.view(-1).view(torch.uint8)[::PAGE].sum())
-        self.last = total
+        # numpy views are the cheapest per-tensor access from Python; the concatenation reads the
+        # first byte of every page of every tensor.
+        pages = [t.numpy().reshape(-1).view(np.uint8)[::PAGE] for t in state_dict.values()]
+        self.last = int(np.concatenate(pages).sum(dtype=np.int64))
 
 
 class NoopWriter:

@@ -189,7 +189,7 @@ class Arena:
             if state is SlotState.FREE:
                 slot.manifest = None
                 slot.staged_id = None
-                self._cond.notify_all()
+            self._cond.notify_all()
 
     def _available(self, slot: Slot) -> bool:
         if slot.state is SlotState.READY and not slot.referenced():

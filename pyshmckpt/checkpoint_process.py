@@ -114,15 +114,20 @@ class CheckpointProcess:
         self._lock = threading.Lock()
         self._restarts = 0
         self._inflight: dict[int, Any] = {}  # plain state dicts staged here, held until written
-        self._writer = self._new_writer()
+        # Every writer process started, the current one last; the finalizer closes them all.
+        self._writers = [self._new_writer()]
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyshmckpt-process")
         self.process_creation_future: Future[None] = self._executor.submit(self._writer.start)
         self._closed = False
         self._finalizer = weakref.finalize(
-            self, CheckpointProcess._finalize, self._writer_ref(), self._stager, self._executor
+            self, CheckpointProcess._finalize, self._writers, self._stager, self._executor
         )
 
     # -- public API -------------------------------------------------------------------------
+
+    @property
+    def _writer(self) -> WriterProcess:
+        return self._writers[-1]
 
     @property
     def pid(self) -> int | None:
@@ -168,7 +173,7 @@ class CheckpointProcess:
             return
         self._closed = True
         self._finalizer.detach()
-        errors = CheckpointProcess._finalize(self._writer_ref(), self._stager, self._executor, abort)
+        errors = CheckpointProcess._finalize(self._writers, self._stager, self._executor, abort)
         if errors:
             raise CleanupError(errors)
 
@@ -191,19 +196,15 @@ class CheckpointProcess:
             shutdown_timeout=self._config.subprocess_shutdown_timeout_secs,
         )
 
-    def _writer_ref(self) -> list[WriterProcess]:
-        # The finalizer must see the writer in use now, also after restarts: share one list.
-        if not hasattr(self, "_writer_box"):
-            self._writer_box = [self._writer]
-        self._writer_box[0] = self._writer
-        return self._writer_box
-
     @staticmethod
     def _finalize(
-        box: list[WriterProcess], stager: ShmStager, executor: ThreadPoolExecutor, abort: bool = False
+        writers: list[WriterProcess],
+        stager: ShmStager,
+        executor: ThreadPoolExecutor,
+        abort: bool = False,
     ) -> list[BaseException]:
         errors: list[BaseException] = []
-        for writer in box:
+        for writer in writers:
             try:
                 errors.extend(writer.close(abort=abort))
             except Exception as exc:
@@ -229,13 +230,12 @@ class CheckpointProcess:
             self._restarts += 1
             writer.close(abort=True)
             writer = self._new_writer()
-            self._writer = writer
-            self._writer_ref()
+            self._writers.append(writer)
         writer.start()
         return writer
 
     def _write_now(self, state_dict: Any, path: Any, kwargs: dict[str, Any]) -> Future[None]:
-        writer = self._ensure_writer()
+        self._ensure_writer()
         found = find_staged(state_dict)
         owned = None
         if found is None:
@@ -255,7 +255,7 @@ class CheckpointProcess:
             "segments": stager.segments(),
         }
         try:
-            future = writer.submit_write(handle.generation, payload, self._config.write_timeout_secs)
+            future = self._submit(handle.generation, payload)
         except BaseException:
             arena.transition(slot, SlotState.FREE if owned is not None else SlotState.READY)
             raise
@@ -277,6 +277,18 @@ class CheckpointProcess:
 
         future.add_done_callback(done)
         return result
+
+
+    def _submit(self, generation: int, payload: dict[str, Any]) -> Future[Any]:
+        timeout = self._config.write_timeout_secs
+        writer = self._ensure_writer()
+        try:
+            return writer.submit_write(generation, payload, timeout)
+        except WriterDiedError:
+            if writer.alive:
+                raise
+            # It died between the liveness check and the send: restart it (within the budget).
+            return self._ensure_writer().submit_write(generation, payload, timeout)
 
 
 class CleanupError(PyshmckptError, RuntimeError):

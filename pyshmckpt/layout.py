@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -97,6 +99,22 @@ class Manifest:
 
     def __len__(self) -> int:
         return len(self.offset)
+
+    @functools.cached_property
+    def layout_key(self) -> bytes:
+        """Digest of everything that places tensors (not of the tree, whose leaves may change).
+
+        Two manifests with the same key describe the same tensors at the same places, so views
+        built for one serve the other.
+        """
+        h = hashlib.blake2b(digest_size=16)
+        h.update(repr(self.dtypes).encode())
+        for column in (
+            self.dtype, self.ndim, self.shapes, self.strides, self.offset, self.block,
+            self.flags, self.blocks,
+        ):  # fmt: skip
+            h.update(np.ascontiguousarray(column).tobytes())
+        return h.digest()
 
     def paths(self) -> list[tuple[Any, ...]]:
         """Key path of the first occurrence of every tensor, in tensor order."""
@@ -511,7 +529,8 @@ def build(node: Any, tensors: list[torch.Tensor]) -> Any:
     kind = node[0]
     if kind == LEAF:
         return node[1]
-    values = [build(child, tensors) for child in node[2]]
+    # Tensors are bare ints: resolve them inline, as most children of a state dict are tensors.
+    values = [tensors[c] if type(c) is int else build(c, tensors) for c in node[2]]
     if kind == DICT:
         return dict(zip(node[1], values))
     if kind == LIST:

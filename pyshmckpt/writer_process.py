@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import hashlib
 import itertools
 import multiprocessing as mp
 import os
@@ -66,7 +65,9 @@ class _AttachedSegments:
     def __init__(self) -> None:
         self.segments: dict[str, _C.Segment] = {}
         self.known: set[str] = set()
-        self.lock = threading.Lock()
+        # Reentrant: the parent-death signal handler runs on the main thread and may interrupt
+        # the main thread while it already holds the lock (in unlink_all on channel EOF).
+        self.lock = threading.RLock()
 
     def sync(self, described: list[tuple[str, int, bytes]]) -> None:
         """Attach newly described segments; close those no longer described (retired arenas)."""
@@ -91,6 +92,15 @@ class _AttachedSegments:
                     os.unlink(f"/dev/shm/{name}")
 
 
+@dataclasses.dataclass(frozen=True)
+class ManifestRef:
+    """Sent instead of a full manifest when the writer already holds one of the same layout for
+    that slot: only the structure (keys, leaves) travels."""
+
+    tree: Any
+    layout_key: bytes
+
+
 class _StagedViews:
     """Rebuilds staged state dicts over attached slots, reusing tensors when the layout repeats.
 
@@ -102,11 +112,15 @@ class _StagedViews:
     def __init__(self) -> None:
         self.cache: dict[str, tuple[bytes, list[torch.Tensor]]] = {}
 
-    def rebuild(self, segment: _C.Segment, offset: int, manifest: layout.Manifest) -> Any:
-        key = layout_key(manifest)
+    def rebuild(
+        self, segment: _C.Segment, offset: int, manifest: layout.Manifest | ManifestRef
+    ) -> Any:
+        key = manifest.layout_key
         cached = self.cache.get(segment.name)
         if cached is not None and cached[0] == key:
             tensors = cached[1]
+        elif isinstance(manifest, ManifestRef):
+            raise ProtocolError(f"the writer holds no layout {key.hex()} for slot {segment.name}")
         else:
             tensors = self._tensors(segment, offset, manifest)
             self.cache[segment.name] = (key, tensors)
@@ -133,18 +147,6 @@ class _StagedViews:
 
     def drop(self, name: str) -> None:
         self.cache.pop(name, None)
-
-
-def layout_key(manifest: layout.Manifest) -> bytes:
-    """A digest of everything that places tensors (not of the tree, whose leaves may change)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(repr(manifest.dtypes).encode())
-    for column in (
-        manifest.dtype, manifest.ndim, manifest.shapes, manifest.strides, manifest.offset,
-        manifest.block, manifest.flags, manifest.blocks,
-    ):  # fmt: skip
-        h.update(column.tobytes())
-    return h.digest()
 
 
 def _watch_parent(parent_pid: int, on_death: Callable[[], None]) -> None:
@@ -271,6 +273,7 @@ class _Pending:
     kind: Kind
     generation: int
     deadline: float | None  # time.monotonic() deadline, None for no limit
+    slot: str | None = None
 
 
 class WriterProcess:
@@ -303,6 +306,35 @@ class WriterProcess:
         self._closing = False
         self._failure: BaseException | None = None  # why the process is no longer usable
         self.pid: int | None = None
+        # Layout last sent in full per slot: the child keeps the views it built for it.
+        self._sent_layouts: dict[str, bytes] = {}
+        self._reap_lock = threading.Lock()
+
+    # -- reaping ---------------------------------------------------------------------------
+    # The dispatcher and close() (or write()) may both wait for the child. multiprocessing reaps
+    # with waitpid(), and a thread that calls it after another thread reaped the child, but before
+    # that thread stored the exit code, would see "still running". So waiting is done on the
+    # sentinel, and every look at the exit code happens under one lock.
+
+    def _join(self, timeout: float | None) -> bool:
+        """Wait up to `timeout` s for the child to exit; True once it has (and is reaped)."""
+        process = self._process
+        if process is None:
+            return True
+        if not wait([process.sentinel], timeout):
+            return False
+        with self._reap_lock:
+            # The sentinel closes a moment before the child can be reaped; join() then does a
+            # blocking waitpid, which returns at once.
+            process.join(1.0)
+            return process.exitcode is not None
+
+    def _alive(self) -> bool:
+        process = self._process
+        if process is None:
+            return False
+        with self._reap_lock:
+            return bool(process.is_alive())
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -326,10 +358,10 @@ class WriterProcess:
         try:
             message = receive(parent_conn, process.sentinel, self._init_timeout)
         except ChannelClosed:
-            process.join(self._shutdown_timeout)
+            self._join(self._shutdown_timeout)
             self._failure = RuntimeError(
                 "checkpoint writer process exited during initialization "
-                f"({describe_exit(process.exitcode)})"
+                f"({describe_exit(self.exitcode)})"
             )
             self._reap()
             raise self._failure from None
@@ -353,11 +385,14 @@ class WriterProcess:
 
     @property
     def alive(self) -> bool:
-        return self._failure is None and self._process is not None and self._process.is_alive()
+        return self._failure is None and self._alive()
 
     @property
     def exitcode(self) -> int | None:
-        return None if self._process is None else self._process.exitcode
+        if self._process is None:
+            return None
+        with self._reap_lock:
+            return self._process.exitcode  # type: ignore[no-any-return]
 
     def submit_write(self, generation: int, payload: dict[str, Any], timeout: float | None) -> Future[Any]:
         """Queue one WRITE; the Future resolves when the writer answers (or fails)."""
@@ -369,14 +404,23 @@ class WriterProcess:
                 raise self._dead_error()
             request_id = next(self._ids)
             deadline = None if timeout is None else time.monotonic() + timeout
-            self._pending[request_id] = _Pending(future, Kind.WRITE, generation, deadline)
+            slot_name = payload["slot"][0]
+            manifest = payload["manifest"]
+            if self._sent_layouts.get(slot_name) == manifest.layout_key:
+                payload = {**payload, "manifest": ManifestRef(manifest.tree, manifest.layout_key)}
+            else:
+                self._sent_layouts[slot_name] = manifest.layout_key
+            self._pending[request_id] = _Pending(future, Kind.WRITE, generation, deadline, slot_name)
             try:
                 send(self._conn, Request(Kind.WRITE, request_id, generation, payload))  # type: ignore[arg-type]
             except ChannelClosed:
                 self._pending.pop(request_id, None)
-                raise self._dead_error() from None
+                self._join(1.0)  # it is exiting: learn how
+                self._failure = self._dead_error()
+                raise self._failure from None
             except BaseException:  # unpicklable kwargs and the like: nothing was queued
                 self._pending.pop(request_id, None)
+                self._sent_layouts.pop(slot_name, None)
                 raise
         self._wake()
         return future
@@ -393,16 +437,19 @@ class WriterProcess:
                 return errors
             self._closing = True
         process = self._process
+        terminated: Future[Any] | None = None
         if process is not None:
             if abort:
                 self._fail_pending(CheckpointAbortedError("the write was abandoned by close(abort=True)"))
                 process.kill()
-                process.join(1.0)
+                self._join(1.0)
             else:
-                self._terminate(process, errors)
+                terminated = self._terminate(process, errors)
         self._wake()
         if self._dispatcher is not None and self._dispatcher is not threading.current_thread():
             self._dispatcher.join(self._shutdown_timeout + 1.0)
+        if terminated is not None and terminated.done() and terminated.exception() is not None:
+            errors.append(terminated.exception())  # the user's writer.close() raised
         self._fail_pending(WriterDiedError(self._exit_text("the checkpoint writer process was closed")))
         self._reap()
         for fd in (self._wake_r, self._wake_w):
@@ -414,23 +461,26 @@ class WriterProcess:
     def kill(self) -> None:
         """SIGKILL the writer and reap it (used for hung writers)."""
         process = self._process
-        if process is not None and process.is_alive():
+        if process is not None and self._alive():
             process.kill()
-            process.join(5.0)
+            self._join(5.0)
 
     # -- internals ------------------------------------------------------------------------
 
-    def _terminate(self, process: Any, errors: list[BaseException]) -> None:
-        if process.is_alive() and self._conn is not None:
+    def _terminate(self, process: Any, errors: list[BaseException]) -> Future[Any] | None:
+        """TERMINATE, join, SIGTERM, join, SIGKILL; returns the TERMINATE request's future."""
+        terminated: Future[Any] | None = None
+        if self._alive() and self._conn is not None:
             with self._lock:
                 request_id = next(self._ids)
-                self._pending[request_id] = _Pending(Future(), Kind.TERMINATE, -1, None)
+                terminated = Future()
+                self._pending[request_id] = _Pending(terminated, Kind.TERMINATE, -1, None)
                 try:
                     send(self._conn, Request(Kind.TERMINATE, request_id))
                 except ChannelClosed:
-                    pass
-        process.join(self._shutdown_timeout)
-        if process.is_alive():
+                    self._pending.pop(request_id, None)
+                    terminated = None
+        if not self._join(self._shutdown_timeout):
             errors.append(
                 TimeoutError(
                     f"checkpoint writer {process.pid} did not exit within "
@@ -438,18 +488,21 @@ class WriterProcess:
                 )
             )
             process.terminate()
-            process.join(self._shutdown_timeout)
-        if process.is_alive():
-            errors.append(TimeoutError(f"checkpoint writer {process.pid} ignored SIGTERM; sent SIGKILL"))
-            process.kill()
-            process.join(5.0)
+            if not self._join(self._shutdown_timeout):
+                errors.append(
+                    TimeoutError(f"checkpoint writer {process.pid} ignored SIGTERM; sent SIGKILL")
+                )
+                process.kill()
+                self._join(5.0)
+        return terminated
 
     def _reap(self) -> None:
         process = self._process
         if process is not None:
-            if process.is_alive():
+            if self._alive():
                 process.kill()
-                process.join(5.0)
+                self._join(5.0)
+
         if self._conn is not None:
             with contextlib.suppress(OSError):
                 self._conn.close()
@@ -493,8 +546,8 @@ class WriterProcess:
                     break
                 if not self._resolve(response):
                     return
-            if not process.is_alive() or (process.sentinel in ready):
-                process.join(1.0)
+            if process.sentinel in ready or not self._alive():
+                self._join(1.0)
                 died = WriterDiedError(
                     self._exit_text("the checkpoint writer process died with writes pending")
                 )
@@ -529,6 +582,9 @@ class WriterProcess:
         if response.ok:
             item.future.set_result(response.payload)
         else:
+            if item.slot is not None:  # the child may not hold this slot's layout: resend in full
+                with self._lock:
+                    self._sent_layouts.pop(item.slot, None)
             item.future.set_exception(WriterError(f"checkpoint writer raised:\n{response.error}"))
         return True
 
