@@ -38,3 +38,17 @@ class StagingTimeoutError(PyshmckptError, TimeoutError):
 
 class PinningWarning(UserWarning):
     """The arena could not be page-locked for CUDA; staging still works, more slowly."""
+
+
+class CheckpointCorruptError(PyshmckptError, ValueError):
+    """A checkpoint file is missing, truncated, inconsistent or fails its checksum.
+
+    `path` is the file and `tensor` the tensor (or header entry) concerned, when known.
+    """
+
+    def __init__(self, path: str, reason: str, tensor: str | None = None) -> None:
+        where = f"{path}" + (f" [{tensor}]" if tensor is not None else "")
+        super().__init__(f"{where}: {reason}")
+        self.path = path
+        self.tensor = tensor
+        self.reason = reason
