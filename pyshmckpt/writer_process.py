@@ -110,20 +110,26 @@ class _StagedViews:
     """
 
     def __init__(self) -> None:
-        self.cache: dict[str, tuple[bytes, list[torch.Tensor]]] = {}
+        self.cache: dict[str, tuple[layout.Manifest, list[torch.Tensor] | None]] = {}
 
-    def rebuild(
-        self, segment: _C.Segment, offset: int, manifest: layout.Manifest | ManifestRef
-    ) -> Any:
-        key = manifest.layout_key
+    def manifest(self, segment: _C.Segment, manifest: layout.Manifest | ManifestRef) -> layout.Manifest:
+        """The full manifest of this write (a reference is resolved against the slot's cache)."""
         cached = self.cache.get(segment.name)
-        if cached is not None and cached[0] == key:
-            tensors = cached[1]
-        elif isinstance(manifest, ManifestRef):
-            raise ProtocolError(f"the writer holds no layout {key.hex()} for slot {segment.name}")
-        else:
+        if isinstance(manifest, ManifestRef):
+            if cached is None or cached[0].layout_key != manifest.layout_key:
+                raise ProtocolError(
+                    f"the writer holds no layout {manifest.layout_key.hex()} for slot {segment.name}"
+                )
+            return dataclasses.replace(cached[0], tree=manifest.tree)
+        if cached is None or cached[0].layout_key != manifest.layout_key:
+            self.cache[segment.name] = (manifest, None)
+        return manifest
+
+    def rebuild(self, segment: _C.Segment, offset: int, manifest: layout.Manifest) -> Any:
+        cached_manifest, tensors = self.cache[segment.name]
+        if tensors is None:
             tensors = self._tensors(segment, offset, manifest)
-            self.cache[segment.name] = (key, tensors)
+            self.cache[segment.name] = (cached_manifest, tensors)
         return layout.build(manifest.tree, tensors)
 
     @staticmethod
@@ -242,11 +248,18 @@ def _serve_write(
         for name in set(views.cache) - set(attached.segments):
             views.drop(name)
         name, offset = payload["slot"]
-        state_dict = views.rebuild(attached.get(name), offset, payload["manifest"])
+        segment = attached.get(name)
+        manifest = views.manifest(segment, payload["manifest"])
         started = time.perf_counter()
-        writer.write(path=payload["path"], state_dict=state_dict, **payload["kwargs"])
+        write_slot = getattr(writer, "write_slot", None)
+        if callable(write_slot):
+            # Writers that persist straight from shared memory get the slot, not tensors.
+            write_slot(path=payload["path"], segment=segment, offset=offset, manifest=manifest, **payload["kwargs"])
+        else:
+            state_dict = views.rebuild(segment, offset, manifest)
+            writer.write(path=payload["path"], state_dict=state_dict, **payload["kwargs"])
+            del state_dict
         elapsed = time.perf_counter() - started
-        del state_dict
         return Response(
             Kind.WRITE, request.id, ok=True, generation=request.generation,
             payload={"write_seconds": elapsed},
@@ -448,8 +461,10 @@ class WriterProcess:
         self._wake()
         if self._dispatcher is not None and self._dispatcher is not threading.current_thread():
             self._dispatcher.join(self._shutdown_timeout + 1.0)
-        if terminated is not None and terminated.done() and terminated.exception() is not None:
-            errors.append(terminated.exception())  # the user's writer.close() raised
+        if terminated is not None and terminated.done():
+            close_error = terminated.exception()
+            if close_error is not None:
+                errors.append(close_error)  # the user's writer.close() raised
         self._fail_pending(WriterDiedError(self._exit_text("the checkpoint writer process was closed")))
         self._reap()
         for fd in (self._wake_r, self._wake_w):
