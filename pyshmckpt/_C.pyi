@@ -5,8 +5,6 @@ from typing import Any
 import numpy as np
 from typing_extensions import Buffer, Self
 
-# Segment also implements the buffer protocol (memoryview(segment)); Python 3.11 does not expose it
-# as __buffer__, so the stub leaves it out.
 
 HEADER_SIZE: int
 TOKEN_SIZE: int
@@ -65,6 +63,9 @@ class Segment:
     def checksums(
         self, ranges: np.ndarray[Any, np.dtype[np.uint64]]
     ) -> np.ndarray[Any, np.dtype[np.uint32]]: ...
+    # The buffer protocol (memoryview(segment)); Python < 3.12 does not expose it as __buffer__.
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __release_buffer__(self, buffer: memoryview, /) -> None: ...
     def __enter__(self) -> Self: ...
     def __exit__(self, *args: object) -> None: ...
 

@@ -75,7 +75,7 @@ def inspect_segment(name: str) -> SegmentInfo | None:
 def list_segments(prefix: str | None = None) -> list[SegmentInfo]:
     """Our segments in /dev/shm whose name starts with `prefix` (default: the configured one)."""
     prefix = knobs.segment_prefix() if prefix is None else prefix
-    out = []
+    out: list[SegmentInfo] = []
     try:
         names = sorted(os.listdir(SHM_DIR))
     except FileNotFoundError:
