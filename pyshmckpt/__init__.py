@@ -5,9 +5,11 @@ from __future__ import annotations
 from .arena import Arena, Slot, SlotState
 from .channel import CheckpointAbortedError, ProtocolError, WriterDiedError
 from .checkpoint_process import CheckpointProcess, CheckpointProcessConfig, CleanupError
+from .checkpointer import Checkpointer
 from .cuda import cuda_available, cuda_compiled
 from .errors import (
     CapacityError,
+    CheckpointCorruptError,
     PinningWarning,
     PyshmckptError,
     SlotsBusyError,
@@ -17,6 +19,7 @@ from .errors import (
     UnsupportedValueError,
 )
 from .layout import Manifest, TensorEntry
+from .reader import load, verify
 from .stager import ShmStager, StagedHandle
 from .stale import collect_stale_segments
 from .writer_process import WriterError
@@ -27,8 +30,10 @@ __all__ = [
     "Arena",
     "CapacityError",
     "CheckpointAbortedError",
+    "CheckpointCorruptError",
     "CheckpointProcess",
     "CheckpointProcessConfig",
+    "Checkpointer",
     "CleanupError",
     "Manifest",
     "PinningWarning",
@@ -49,4 +54,6 @@ __all__ = [
     "collect_stale_segments",
     "cuda_available",
     "cuda_compiled",
+    "load",
+    "verify",
 ]

@@ -20,6 +20,38 @@ def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from .errors import CheckpointCorruptError
+    from .reader import verify
+
+    try:
+        count = verify(args.path, rank=args.rank)
+    except CheckpointCorruptError as exc:
+        print(f"CORRUPT: {exc}", file=sys.stderr)
+        return 1
+    print(f"OK: {args.path}: {count} tensors, every checksum matches")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .errors import CheckpointCorruptError
+    from .reader import describe
+
+    try:
+        rows = describe(args.path, rank=args.rank)
+    except CheckpointCorruptError as exc:
+        print(f"CORRUPT: {exc}", file=sys.stderr)
+        return 1
+    width = max([len(r["name"]) for r in rows] + [6])
+    print(f"{'tensor':{width}s}  {'dtype':14s} {'shape':22s} {'bytes':>14s}  stored as")
+    total = 0
+    for r in rows:
+        total += r["nbytes"]
+        print(f"{r['name']:{width}s}  {r['dtype']:14s} {str(tuple(r['shape'])):22s} {r['nbytes']:14,d}  {r['entry']}")
+    print(f"{len(rows)} tensors, {total:,d} bytes")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pyshmckpt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -27,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     gc.add_argument("--prefix", default=None, help="segment name prefix (default: PYSHMCKPT_SEGMENT_PREFIX or pyshmckpt)")
     gc.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     gc.set_defaults(run=_gc)
+    verify = sub.add_parser("verify", help="check a checkpoint's checksums and structure (exit 1 if corrupt)")
+    verify.add_argument("path", help="a checkpoint directory, or a root (its latest)")
+    verify.add_argument("--rank", type=int, default=0)
+    verify.set_defaults(run=_verify)
+    inspect = sub.add_parser("inspect", help="list a checkpoint's tensors, dtypes, shapes and bytes")
+    inspect.add_argument("path", help="a checkpoint directory, or a root (its latest)")
+    inspect.add_argument("--rank", type=int, default=0)
+    inspect.set_defaults(run=_inspect)
     args = parser.parse_args(argv)
     return int(args.run(args))
 

@@ -1,0 +1,167 @@
+"""Checkpointer: one object to save training state durably and asynchronously, and load it."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from . import commit, tree_codec
+from .checkpoint_process import CheckpointProcess, CheckpointProcessConfig
+from .errors import PyshmckptError
+from .stager import ShmStager
+
+
+class _RankInfo:
+    """Stand-in for torch's RankInfo (only its two fields are read)."""
+
+    def __init__(self, global_rank: int = 0, global_world_size: int = 1) -> None:
+        self.global_rank = global_rank
+        self.global_world_size = global_world_size
+
+
+def _no_init() -> None:
+    pass
+
+
+def _writer(name: str) -> Any:
+    from .file_writer import SafetensorsWriter
+    from .writers import DcpWriter, TorchSaveWriter
+
+    writers = {"safetensors": SafetensorsWriter, "torch": TorchSaveWriter, "dcp": DcpWriter}
+    if name not in writers:
+        raise ValueError(f"unknown writer {name!r}; choose one of {sorted(writers)}")
+    return writers[name]
+
+
+class Checkpointer:
+    """Save state dicts under ``root`` asynchronously; each checkpoint is the directory root/name.
+
+    ``save()`` returns once the state is staged in shared memory (training may change it right
+    after) and gives a Future that resolves to the committed checkpoint's path once it is durable.
+    Checkpoints appear atomically (temporary name, fsync, rename); ``root/latest`` follows the
+    newest; with ``keep_last`` older ones are deleted after a newer one is committed. Leftover
+    temporaries of a crash are removed when a Checkpointer opens the root.
+
+    Args:
+        root: an existing, writable directory.
+        writer: "safetensors" (default: ``rankN.safetensors`` + ``rankN.json``, read by
+            ``pyshmckpt.load``), "torch" (torch.save, ``checkpoint_N.pt``) or "dcp".
+        slots: shared-memory slots (2: stage the next save while one is written).
+        keep_last: keep only this many committed checkpoints.
+        allow_pickle: let the safetensors writer pickle leaves that are not plain data.
+        capacity_bytes: bytes per slot, allocated up front (None: sized on first save).
+        config: settings of the writer process (timeouts, restarts).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        writer: str = "safetensors",
+        slots: int = 2,
+        keep_last: int | None = None,
+        allow_pickle: bool = False,
+        capacity_bytes: int | None = None,
+        config: CheckpointProcessConfig | None = None,
+    ) -> None:
+        self._closed = True
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be a positive int or None, not {keep_last!r}")
+        self.root = Path(root)
+        self._writer_name = writer
+        writer_cls = _writer(writer)
+        self._allow_pickle = bool(allow_pickle)
+        if self.root.is_dir():
+            commit.clean_leftovers(self.root)
+        writer_args: dict[str, Any] = {"keep_last": keep_last}
+        if writer == "safetensors":
+            writer_args["allow_pickle"] = self._allow_pickle
+        self._stager = ShmStager(capacity_bytes=capacity_bytes, slots=slots)
+        base = config or CheckpointProcessConfig()
+        try:
+            self._process = CheckpointProcess(
+                _RankInfo(), base, _no_init, (), writer_cls, writer_args
+            )
+        except BaseException:
+            self._stager.close()
+            raise
+        self._pending: list[Future[Path]] = []
+        self._lock = threading.Lock()
+        self._names = itertools.count(1 + max((seq for seq, _ in self._committed()), default=0))
+        self._closed = False
+
+    def _committed(self) -> list[tuple[int, str]]:
+        return commit.committed(self.root) if self.root.is_dir() else []
+
+    def save(self, state_dict: Any, name: str | None = None) -> Future[Path]:
+        """Stage `state_dict` and persist it as root/name in the background.
+
+        Returns once staging is complete. The Future resolves to the committed path, or fails
+        (disk full, writer error, ...) with that save's error; the Checkpointer stays usable.
+        Raises at once, before staging, for an unwritable or missing root, a bad or existing
+        name, or leaves that need pickle when it is not allowed.
+        """
+        if self._closed:
+            raise PyshmckptError("Checkpointer is closed")
+        commit.check_root(self.root)
+        if name is None:
+            name = f"step-{next(self._names):08d}"
+            while (self.root / name).exists():
+                name = f"step-{next(self._names):08d}"
+        commit.check_name(name)
+        target = self.root / name
+        if target.exists() or target.is_symlink():
+            raise FileExistsError(f"checkpoint {target} already exists")
+        staged = self._stager.stage(state_dict)
+        if self._writer_name == "safetensors" and not self._allow_pickle:
+            handle = self._stager.handle(staged)
+            try:
+                tree_codec.check_plain(handle.manifest.tree)  # type: ignore[union-attr]
+            except BaseException:
+                self._stager.release(staged)
+                raise
+        written = self._process.write(staged, str(target))
+        del staged  # its slot frees itself once written and unreferenced
+        result: Future[Path] = Future()
+
+        def done(f: Future[None]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                result.set_exception(exc)
+            else:
+                result.set_result(target)
+
+        written.add_done_callback(done)
+        with self._lock:
+            self._pending = [p for p in self._pending if not p.done()] + [result]
+        return result
+
+    def wait(self, timeout: float | None = None) -> list[Path]:
+        """Wait for every pending save; returns their paths, raises the first failure."""
+        with self._lock:
+            pending = list(self._pending)
+        return [future.result(timeout=timeout) for future in pending]
+
+    def latest(self) -> Path | None:
+        """The newest committed checkpoint (what root/latest points at), or None."""
+        return commit.latest(self.root)
+
+    def close(self, abort: bool = False) -> None:
+        """Finish (or, with abort=True, abandon) pending saves and free everything. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._process.close(abort=abort)
+        finally:
+            self._stager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

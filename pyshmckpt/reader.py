@@ -1,0 +1,242 @@
+"""Loading checkpoints written by pyshmckpt, with verification that never trusts the file."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import _C, commit, layout, tree_codec
+from .errors import CheckpointCorruptError
+from .file_writer import FORMAT, file_names
+from .safetensors_format import parse_header
+
+
+def _checkpoint_dir(path: str | os.PathLike[str]) -> Path:
+    p = Path(path)
+    if p.is_file():
+        return p.parent
+    if p.is_dir() and not (p / file_names(0)[1]).exists():
+        latest = commit.latest(p)  # a checkpoint root: its latest checkpoint
+        if latest is not None:
+            return latest
+    return p
+
+
+def _reach(shape: list[int], stride: list[int], itemsize: int) -> int:
+    """Bytes from element 0 to one past the last element a view can touch."""
+    if any(d == 0 for d in shape):
+        return 0
+    return itemsize * (1 + sum((d - 1) * s for d, s in zip(shape, stride)))
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    map_location: str | torch.device | None = "cpu",
+    verify: bool = True,
+    allow_pickle: bool = False,
+    rank: int = 0,
+    into: Any = None,
+) -> Any:
+    """Load a checkpoint written by pyshmckpt's safetensors writer.
+
+    `path` is a checkpoint directory (or a checkpoint root: its `latest`). Returns the nested
+    state dict with container types and tied-storage aliases restored. On the CPU, tensors are
+    zero-copy copy-on-write maps of the file. With `into` (a state dict of the same structure),
+    the values are copied into its tensors in place (any device) and `into` is returned.
+    `verify` checks every CRC32C. Pickled values are only loaded with allow_pickle=True.
+    Anything wrong with the files raises CheckpointCorruptError naming the file and tensor.
+    """
+    json_path, st_path, described, header, mapped = _open(path, rank)
+    directory = json_path.parent
+    view = memoryview(mapped)
+    if verify:
+        _verify(st_path, view, header, described.get("entries"))
+    tensors = _tensors(st_path, view, header, described.get("tensors"))
+    try:
+        state = tree_codec.decode(described.get("tree"), tensors, allow_pickle=allow_pickle)
+    except tree_codec.PickleRequired:
+        raise CheckpointCorruptError(
+            str(json_path), "the checkpoint holds pickled values; pass allow_pickle=True to load them"
+        ) from None
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
+        raise CheckpointCorruptError(str(json_path), f"malformed structure: {exc}") from None
+    if into is not None:
+        _copy_into(into, state, str(directory))
+        return into
+    if map_location is not None and torch.device(map_location).type != "cpu":
+        state = _move(state, torch.device(map_location))
+    return state
+
+
+def _verify(st_path: Path, view: memoryview, header: Any, recorded: Any) -> None:
+    if not isinstance(recorded, dict):
+        raise CheckpointCorruptError(str(st_path), "the manifest records no checksums")
+    jobs = []
+    for name, entry in header.entries.items():
+        crc = recorded.get(name, {}).get("crc32c") if isinstance(recorded.get(name), dict) else None
+        if type(crc) is not int:
+            raise CheckpointCorruptError(str(st_path), "no checksum recorded", tensor=name)
+        jobs.append((name, header.data_start + entry.begin, header.data_start + entry.end, crc))
+    missing = set(recorded) - set(header.entries)
+    if missing:
+        raise CheckpointCorruptError(str(st_path), "entry missing from the file", tensor=sorted(missing)[0])
+    with ThreadPoolExecutor(max_workers=max(1, _C.num_threads())) as pool:
+        actual = list(pool.map(lambda job: _C.crc32c(view[job[1] : job[2]]), jobs))
+    for (name, _, _, crc), got in zip(jobs, actual):
+        if got != crc:
+            raise CheckpointCorruptError(str(st_path), f"checksum mismatch ({got:#010x} != {crc:#010x})", tensor=name)
+
+
+def _tensors(st_path: Path, view: memoryview, header: Any, described: Any) -> list[torch.Tensor]:
+    if not isinstance(described, list):
+        raise CheckpointCorruptError(str(st_path), "the manifest lists no tensors")
+    bases: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+    out = []
+    for item in described:
+        name = item.get("name") if isinstance(item, dict) else None
+        try:
+            dtype = layout.DTYPES[item["dtype"]]
+            shape = [int(d) for d in item["shape"]]
+            stride = [int(s) for s in item["stride"]]
+            offset = int(item["offset"])
+            flags = int(item.get("flags", 0))
+            entry_name = item["entry"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(str(st_path), f"malformed tensor description: {exc}", tensor=name) from None
+        if len(shape) != len(stride) or any(d < 0 for d in shape) or any(s < 0 for s in stride) or offset < 0:
+            raise CheckpointCorruptError(str(st_path), "invalid shape, stride or offset", tensor=name)
+        if entry_name is None:
+            if any(d == 0 for d in shape):
+                out.append(_flagged(torch.empty(shape, dtype=dtype), flags))
+                continue
+            raise CheckpointCorruptError(str(st_path), "tensor with elements but no data", tensor=name)
+        entry = header.entries.get(entry_name)
+        if entry is None:
+            raise CheckpointCorruptError(str(st_path), f"entry {entry_name!r} is not in the file", tensor=name)
+        length = entry.end - entry.begin
+        if offset % dtype.itemsize or offset + _reach(shape, stride, dtype.itemsize) > length:
+            raise CheckpointCorruptError(str(st_path), "tensor lies outside its entry", tensor=name)
+        base = bases.get((entry_name, dtype))
+        if base is None:
+            count = length // dtype.itemsize
+            start = header.data_start + entry.begin
+            if count:
+                base = torch.frombuffer(view, dtype=dtype, count=count, offset=start)
+            else:
+                base = torch.empty(0, dtype=dtype)
+            bases[(entry_name, dtype)] = base
+        with torch.no_grad():
+            t = base.as_strided(shape, stride, offset // dtype.itemsize)
+        out.append(_flagged(t, flags))
+    return out
+
+
+def _flagged(t: torch.Tensor, flags: int) -> torch.Tensor:
+    if flags & layout.PARAMETER:
+        return torch.nn.Parameter(t, requires_grad=bool(flags & layout.REQUIRES_GRAD))
+    if flags & layout.REQUIRES_GRAD:
+        t.requires_grad_(True)
+    return t
+
+
+def _move(state: Any, device: torch.device) -> Any:
+    """Move every tensor to `device`, keeping tensors that shared a storage sharing one."""
+    moved: dict[int, torch.Tensor] = {}
+
+    def visit(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            key = id(node)
+            if key not in moved:
+                moved[key] = node.detach().to(device)
+            return moved[key]
+        if isinstance(node, dict):
+            out = type(node)() if type(node) in (dict,) else node.copy()
+            for k, v in node.items():
+                out[k] = visit(v)
+            return out
+        if isinstance(node, list):
+            return [visit(v) for v in node]
+        if isinstance(node, tuple):
+            values = [visit(v) for v in node]
+            return type(node)(*values) if hasattr(node, "_fields") else tuple(values)
+        return node
+
+    return visit(state)
+
+
+def _copy_into(target: Any, source: Any, where: str, path: str = "state_dict") -> None:
+    if isinstance(target, torch.Tensor):
+        if not isinstance(source, torch.Tensor) or target.shape != source.shape:
+            raise ValueError(f"{path}: the checkpoint holds {type(source).__name__} "
+                             f"{getattr(source, 'shape', '')}, the target {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(source)
+        return
+    if isinstance(target, dict):
+        if not isinstance(source, dict):
+            raise ValueError(f"{path}: the checkpoint of {where} holds {type(source).__name__}, not a dict")
+        for key, value in target.items():
+            if key not in source:
+                raise KeyError(f"{path}[{key!r}] is not in the checkpoint {where}")
+            _copy_into(value, source[key], where, f"{path}[{key!r}]")
+        return
+    if isinstance(target, (list, tuple)) and isinstance(source, (list, tuple)):
+        if len(target) != len(source):
+            raise ValueError(f"{path}: length {len(source)} in the checkpoint, {len(target)} in the target")
+        for i, (a, b) in enumerate(zip(target, source)):
+            _copy_into(a, b, where, f"{path}[{i}]")
+
+
+def _open(path: str | os.PathLike[str], rank: int) -> tuple[Path, Path, dict[str, Any], Any, mmap.mmap]:
+    directory = _checkpoint_dir(path)
+    st_name, json_name = file_names(rank)
+    json_path, st_path = directory / json_name, directory / st_name
+    try:
+        described = json.loads(json_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointCorruptError(str(json_path), "missing") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointCorruptError(str(json_path), f"unreadable manifest: {exc}") from None
+    if not isinstance(described, dict) or described.get("format") != FORMAT:
+        raise CheckpointCorruptError(str(json_path), "not a pyshmckpt manifest")
+    try:
+        f = st_path.open("rb")
+    except FileNotFoundError:
+        raise CheckpointCorruptError(str(st_path), "missing") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        header = parse_header(str(st_path), f, size)
+        if not size:
+            raise CheckpointCorruptError(str(st_path), "empty file")
+        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    return json_path, st_path, described, header, mapped
+
+
+def verify(path: str | os.PathLike[str], rank: int = 0) -> int:
+    """Check every checksum and that every tensor lies inside the file (nothing is unpickled).
+
+    Returns the number of tensors; raises CheckpointCorruptError.
+    """
+    _, st_path, described, header, mapped = _open(path, rank)
+    view = memoryview(mapped)
+    _verify(st_path, view, header, described.get("entries"))
+    return len(_tensors(st_path, view, header, described.get("tensors")))
+
+
+def describe(path: str | os.PathLike[str], rank: int = 0) -> list[dict[str, Any]]:
+    """One row per tensor: name, dtype, shape, bytes and the file entry holding it."""
+    _, st_path, described, header, mapped = _open(path, rank)
+    view = memoryview(mapped)
+    _tensors(st_path, view, header, described.get("tensors"))  # validates every description
+    return [
+        {"name": t.get("name", "?"), "dtype": t["dtype"], "shape": t["shape"], "nbytes": int(t.get("nbytes", 0)),
+         "entry": t["entry"]}
+        for t in described["tensors"]
+    ]

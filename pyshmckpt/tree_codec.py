@@ -1,0 +1,167 @@
+"""JSON encoding of a manifest's structure tree (containers, keys, leaves, tensor slots).
+
+Plain data (None, bool, int, float, str, bytes, dicts/lists/tuples of them, torch dtypes and
+sizes) is encoded as JSON that any tool can read. Anything else (custom objects, namedtuples,
+Counter, defaultdict, ...) needs pickle, which the writer refuses unless the caller opts in, and
+which the reader refuses to unpickle unless its caller opts in too.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import math
+import pickle
+from typing import Any
+
+import torch
+
+from . import layout
+from .errors import UnsupportedValueError
+
+
+class PickleRequired(Exception):
+    """Raised inside encoding: the value is not plain data and pickling was not allowed."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
+def _encode_leaf(value: Any, allow_pickle: bool) -> Any:
+    if value is None or isinstance(value, (bool, str)):
+        return {"v": value}
+    if isinstance(value, int) and type(value) is int:
+        return {"v": value}
+    if type(value) is float:
+        return {"v": value} if math.isfinite(value) else {"float": repr(value)}
+    if type(value) is bytes:
+        return {"bytes": base64.b64encode(value).decode()}
+    if isinstance(value, torch.dtype):
+        return {"dtype": layout.dtype_name(value)}
+    if type(value) is torch.Size:
+        return {"size": list(value)}
+    if type(value) in (list, tuple, dict, collections.OrderedDict):
+        # Plain containers inside a leaf (betas=(0.9, 0.999) in param_groups, _metadata).
+        if isinstance(value, dict):
+            kind = "leafdict" if type(value) is dict else "leafodict"
+            pairs = [[_encode_leaf(k, allow_pickle), _encode_leaf(v, allow_pickle)] for k, v in value.items()]
+            return {kind: pairs}
+        kind = "leaflist" if type(value) is list else "leaftuple"
+        return {kind: [_encode_leaf(v, allow_pickle) for v in value]}
+    if not allow_pickle:
+        raise PickleRequired(f"a value of type {type(value).__module__}.{type(value).__qualname__}")
+    return {"pickle": base64.b64encode(pickle.dumps(value)).decode()}
+
+
+def encode(node: Any, allow_pickle: bool = False) -> Any:
+    """JSON-ready form of a layout tree; raises PickleRequired for non-plain parts."""
+    if type(node) is int:
+        return {"t": node}
+    kind = node[0]
+    if kind == layout.LEAF:
+        return _encode_leaf(node[1], allow_pickle)
+    children = [encode(child, allow_pickle) for child in node[2]]
+    if kind == layout.DICT:
+        return {"dict": [[_encode_leaf(k, allow_pickle), c] for k, c in zip(node[1], children)]}
+    if kind == layout.LIST:
+        return {"list": children}
+    if kind == layout.TUPLE:
+        return {"tuple": children}
+    _, keys, _, func, args, state, *rest = (*node, None)
+    if kind == layout.REDUCED and func is collections.OrderedDict and not args and not state:
+        return {"odict": [[_encode_leaf(k, allow_pickle), c] for k, c in zip(keys, children)]}
+    if kind == layout.REDUCED and func is collections.OrderedDict and not args:
+        # A module state dict's OrderedDict carries _metadata (plain data): keep it as JSON.
+        return {
+            "odict": [[_encode_leaf(k, allow_pickle), c] for k, c in zip(keys, children)],
+            "attrs": _encode_leaf(state, allow_pickle),
+        }
+    if not allow_pickle:
+        name = node[3].__qualname__ if kind == layout.NAMED_TUPLE else getattr(func, "__qualname__", repr(func))
+        raise PickleRequired(f"a container of type {name}")
+    header = node[3] if kind == layout.NAMED_TUPLE else (func, args, state)
+    encoded: dict[str, Any] = {
+        "reduced" if kind == layout.REDUCED else "namedtuple": base64.b64encode(pickle.dumps(header)).decode(),
+        "children": children,
+    }
+    if kind == layout.REDUCED and keys is not None:
+        encoded["keys"] = [_encode_leaf(k, allow_pickle) for k in keys]
+    return encoded
+
+
+def check_plain(tree: Any) -> None:
+    """Raise UnsupportedValueError if the tree needs pickle to be stored."""
+    try:
+        encode(tree, allow_pickle=False)
+    except PickleRequired as exc:
+        raise UnsupportedValueError(
+            "state_dict",
+            f"{exc.what} is not plain data (None/bool/int/float/str/bytes and containers of "
+            "them); pass allow_pickle=True to store it with pickle",
+        ) from None
+
+
+def _decode_leaf(value: Any, allow_pickle: bool) -> Any:
+    if not isinstance(value, dict) or len(value) != 1:
+        raise ValueError(f"malformed leaf {value!r:.80}")
+    (kind, payload), = value.items()
+    if kind == "v":
+        if payload is not None and type(payload) not in (bool, int, float, str):
+            raise ValueError("malformed plain leaf")
+        return payload
+    if kind == "float":
+        return float(payload)
+    if kind == "bytes":
+        return base64.b64decode(payload, validate=True)
+    if kind == "dtype":
+        return layout.DTYPES[payload]
+    if kind == "size":
+        return torch.Size(int(d) for d in payload)
+    if kind in ("leafdict", "leafodict"):
+        pairs = [(_decode_leaf(k, allow_pickle), _decode_leaf(v, allow_pickle)) for k, v in payload]
+        return dict(pairs) if kind == "leafdict" else collections.OrderedDict(pairs)
+    if kind == "leaflist":
+        return [_decode_leaf(v, allow_pickle) for v in payload]
+    if kind == "leaftuple":
+        return tuple(_decode_leaf(v, allow_pickle) for v in payload)
+    if kind == "pickle":
+        return _unpickle(payload, allow_pickle)
+    raise ValueError(f"unknown leaf kind {kind!r}")
+
+
+def _unpickle(payload: str, allow_pickle: bool) -> Any:
+    if not allow_pickle:
+        raise PickleRequired("pickled data")
+    return pickle.loads(base64.b64decode(payload, validate=True))  # noqa: S301 (opted in)
+
+
+def decode(value: Any, tensors: list[Any], allow_pickle: bool = False) -> Any:
+    """Rebuild the structure from its JSON form, with tensor slots taken from `tensors`."""
+    if not isinstance(value, dict):
+        raise ValueError(f"malformed node {value!r:.80}")
+    if "t" in value:
+        index = value["t"]
+        if type(index) is not int or not 0 <= index < len(tensors):
+            raise ValueError(f"tensor index {index!r} out of range")
+        return tensors[index]
+    if "dict" in value or "odict" in value:
+        pairs = [(_decode_leaf(k, allow_pickle), decode(c, tensors, allow_pickle)) for k, c in value.get("dict", value.get("odict"))]
+        if "dict" in value:
+            return dict(pairs)
+        out = collections.OrderedDict(pairs)
+        if "attrs" in value:
+            out.__dict__.update(_decode_leaf(value["attrs"], allow_pickle) or {})
+        return out
+    if "list" in value:
+        return [decode(c, tensors, allow_pickle) for c in value["list"]]
+    if "tuple" in value:
+        return tuple(decode(c, tensors, allow_pickle) for c in value["tuple"])
+    if "reduced" in value or "namedtuple" in value:
+        children = [decode(c, tensors, allow_pickle) for c in value["children"]]
+        if "namedtuple" in value:
+            return _unpickle(value["namedtuple"], allow_pickle)(*children)
+        func, args, state = _unpickle(value["reduced"], allow_pickle)
+        keys = [_decode_leaf(k, allow_pickle) for k in value["keys"]] if "keys" in value else None
+        return layout._reconstruct((layout.REDUCED, keys, None, func, args, state), children)
+    return _decode_leaf(value, allow_pickle)
