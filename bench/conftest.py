@@ -24,6 +24,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="state dict size in GiB (default 1)",
     )  # fmt: skip
     parser.addoption("--bench-json", default=None, help="write the medians and ratios here")
+    parser.addoption("--bench-dir", default=None, help="directory the persist benchmarks write to")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -79,6 +80,9 @@ RATIOS = [
     ("end to end speed-up over torch, ShmStager, 256 tensors", "e2e_torch_256", "e2e_ours_shm_256"),
     ("end to end speed-up over torch, plain dict, 256 tensors", "e2e_torch_256", "e2e_ours_plain_256"),
     ("handoff speed-up over torch, 8192 tensors", "handoff_torch_8192", "handoff_ours_8192"),
+    ("persist bandwidth, ours (writer) / dd conv=fsync", "persist_dd", "persist_ours"),
+    ("save end to end bandwidth, ours / dd conv=fsync", "persist_dd", "save_ours"),
+    ("save end to end bandwidth, ours / torch.save + fsync", "persist_torch_save", "save_ours"),
 ]
 
 

@@ -114,6 +114,7 @@ class CheckpointProcess:
         self._lock = threading.Lock()
         self._restarts = 0
         self._inflight: dict[int, Any] = {}  # plain state dicts staged here, held until written
+        self.last_write_seconds: float | None = None  # time the writer spent in its last write
         # Every writer process started, the current one last; the finalizer closes them all.
         self._writers = [self._new_writer()]
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyshmckpt-process")
@@ -273,6 +274,7 @@ class CheckpointProcess:
             if exc is not None:
                 result.set_exception(exc)
             else:
+                self.last_write_seconds = (f.result() or {}).get("write_seconds")
                 result.set_result(None)
 
         future.add_done_callback(done)

@@ -948,6 +948,7 @@ def _make_orphan_segment(prefix: str) -> str:
     done = subprocess.run(
         [sys.executable, "-c", code, prefix],
         capture_output=True, text=True, timeout=120, env=child_env(), check=True,
+        cwd="/",  # not the checkout, whose source tree would shadow the installed package
     )  # fmt: skip
     name = done.stdout.strip()
     assert name.startswith(prefix + "-")
@@ -983,6 +984,7 @@ def test_stale_segments_of_dead_owners_are_collected_and_live_ones_kept(tmp_path
         dry = subprocess.run(
             [sys.executable, "-m", "pyshmckpt", "gc", "--dry-run"],
             capture_output=True, text=True, timeout=120, env=child_env(), check=True,
+            cwd="/",  # not the checkout, whose source tree would shadow the installed package
         )  # fmt: skip
         lines = dry.stdout.splitlines()
         assert any(line.startswith("would remove") and orphan in line for line in lines), dry.stdout
