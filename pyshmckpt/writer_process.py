@@ -572,8 +572,8 @@ class WriterProcess:
                 return
             if self._expire():
                 return
-            if self._closing and not self._pending:
-                return
+            # Otherwise run until the child exits: close() may still be waiting for its reply to
+            # TERMINATE (and the error of the user's writer.close() it may carry).
 
     def _resolve(self, response: Response) -> bool:
         """Complete the request `response` answers; False when the protocol is broken."""
