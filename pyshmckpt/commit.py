@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -105,15 +106,23 @@ def latest(root: Path) -> Path | None:
     return None
 
 
-def remove(root: Path, name: str) -> None:
-    """Make a checkpoint disappear atomically (rename to a hidden name), then delete it."""
+def remove(root: Path, name: str, *, background: bool = False) -> None:
+    """Make a checkpoint disappear atomically (rename to a hidden name), then delete its files.
+
+    With background=True the files are deleted by a daemon thread: freeing a large file takes
+    a while, and nothing needs to wait for it (a crash leaves a .trash-* that the next opening of
+    the root removes).
+    """
     trash = root / f"{TRASH_PREFIX}{name}-{secrets.token_hex(8)}"
     os.rename(root / name, trash)
     fsync_path(root)
-    shutil.rmtree(trash, ignore_errors=True)
+    if background:
+        threading.Thread(target=shutil.rmtree, args=(trash, True), name="pyshmckpt-trash", daemon=True).start()
+    else:
+        shutil.rmtree(trash, ignore_errors=True)
 
 
-def retain(root: Path, keep_last: int) -> list[str]:
+def retain(root: Path, keep_last: int, *, background: bool = False) -> list[str]:
     """Delete all but the newest `keep_last` committed checkpoints (never `latest`'s target)."""
     current = latest(root)
     names = [name for _, name in committed(root)]
@@ -122,7 +131,7 @@ def retain(root: Path, keep_last: int) -> list[str]:
     for name in doomed:
         if current is not None and current.name == name:
             continue
-        remove(root, name)
+        remove(root, name, background=background)
         removed.append(name)
     return removed
 
@@ -161,5 +170,5 @@ def commit_directory(path: str | os.PathLike[str], fill: Callable[[Path], None],
         raise
     update_latest(root, final.name)
     if keep_last is not None:
-        retain(root, keep_last)
+        retain(root, keep_last, background=True)
     return final

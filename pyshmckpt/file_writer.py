@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -203,19 +204,22 @@ class SafetensorsWriter:
     ) -> None:
         plan = plan_file(manifest)
         ranges = np.array([[offset + s, n] for s, n in plan.sources], dtype=np.uint64).reshape(-1, 2)
-        crcs = segment.checksums(ranges).tolist() if len(ranges) else []
         st_name, json_name = file_names(self.rank)
         header = build_header(plan.entries, {"format": FORMAT, "format_version": str(FORMAT_VERSION)})
         view = memoryview(segment)
-        try:
-            fd = os.open(directory / st_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        # Checksums (GIL released, thread pool) run while the file is written.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyshmckpt-crc") as pool:
+            checksums = pool.submit(segment.checksums, ranges)
             try:
-                _write_all(fd, [memoryview(header), *_coalesce(view, offset, plan.sources)])
-                os.fsync(fd)
+                fd = os.open(directory / st_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                try:
+                    _write_all(fd, [memoryview(header), *_coalesce(view, offset, plan.sources)])
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             finally:
-                os.close(fd)
-        finally:
-            view.release()
+                view.release()
+            crcs = checksums.result().tolist()
         described = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
