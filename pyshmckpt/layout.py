@@ -460,12 +460,18 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def make_tensors(
-    manifest: Manifest, base: Callable[[int, torch.dtype], tuple[torch.Tensor, int]]
+    manifest: Manifest,
+    base: Callable[[int, torch.dtype], tuple[torch.Tensor, int]] | None = None,
+    *,
+    shared: Callable[[torch.dtype], torch.Tensor] | None = None,
+    slot_offset: int = 0,
 ) -> list[torch.Tensor]:
     """Create the manifest's tensors as views of base tensors.
 
-    ``base(block, dtype)`` returns a 1-D tensor of `dtype` and the byte offset, relative to the
-    slot start, of its element 0 (block is -1 for tensors without elements).
+    Either ``base(block, dtype)`` returns a 1-D tensor of `dtype` and the byte offset, relative
+    to the slot start, of its element 0 (block is -1 for tensors without elements); or every
+    tensor views ``shared(dtype)``, a 1-D tensor over one storage in which the slot starts at
+    byte `slot_offset` (the fast path: one lookup per dtype, not per tensor).
     """
     dtypes = [DTYPES[name] for name in manifest.dtypes]
     ndim = manifest.ndim.tolist()
@@ -474,22 +480,34 @@ def make_tensors(
     offsets = manifest.offset.tolist()
     blocks = manifest.block.tolist()
     flags = manifest.flags.tolist()
+    codes = manifest.dtype.tolist()
     out = []
     pos = 0
     with torch.no_grad():
-        for i, code in enumerate(manifest.dtype.tolist()):
-            dtype = dtypes[code]
-            end = pos + ndim[i]
-            origin_tensor, origin = base(blocks[i], dtype)
-            elements = (offsets[i] - origin) // dtype.itemsize if blocks[i] >= 0 else 0
-            t = origin_tensor.as_strided(shapes[pos:end], strides[pos:end], elements)
-            pos = end
-            if flags[i]:
-                if flags[i] & PARAMETER:
-                    t = torch.nn.Parameter(t, requires_grad=bool(flags[i] & REQUIRES_GRAD))
+        if shared is not None:
+            bases = [shared(d) for d in dtypes]
+            sizes = [d.itemsize for d in dtypes]
+            for i, code in enumerate(codes):
+                end = pos + ndim[i]
+                elements = (offsets[i] + slot_offset) // sizes[code] if blocks[i] >= 0 else 0
+                out.append(bases[code].as_strided(shapes[pos:end], strides[pos:end], elements))
+                pos = end
+        else:
+            if base is None:
+                raise TypeError("make_tensors needs `base` or `shared`")
+            for i, code in enumerate(codes):
+                dtype = dtypes[code]
+                end = pos + ndim[i]
+                origin_tensor, origin = base(blocks[i], dtype)
+                elements = (offsets[i] - origin) // dtype.itemsize if blocks[i] >= 0 else 0
+                out.append(origin_tensor.as_strided(shapes[pos:end], strides[pos:end], elements))
+                pos = end
+        for i, flag in enumerate(flags):
+            if flag:
+                if flag & PARAMETER:
+                    out[i] = torch.nn.Parameter(out[i], requires_grad=bool(flag & REQUIRES_GRAD))
                 else:
-                    t.requires_grad_(True)
-            out.append(t)
+                    out[i].requires_grad_(True)
     return out
 
 
@@ -518,7 +536,7 @@ def rebuild(manifest: Manifest, bases: Callable[[torch.dtype], torch.Tensor], sl
     starts at byte `slot_offset`. Tensors that came from one source storage view one block, so
     they alias again; a tensor that appeared several times comes back as one object.
     """
-    tensors = make_tensors(manifest, lambda _block, dtype: (bases(dtype), -slot_offset))
+    tensors = make_tensors(manifest, shared=bases, slot_offset=slot_offset)
     return build(manifest.tree, tensors)
 
 
