@@ -117,9 +117,26 @@ def remove(root: Path, name: str, *, background: bool = False) -> None:
     os.rename(root / name, trash)
     fsync_path(root)
     if background:
-        threading.Thread(target=shutil.rmtree, args=(trash, True), name="pyshmckpt-trash", daemon=True).start()
+        thread = threading.Thread(target=shutil.rmtree, args=(trash, True), name="pyshmckpt-trash", daemon=True)
+        thread.start()
+        with _DELETIONS_LOCK:
+            _DELETIONS[:] = [t for t in _DELETIONS if t.is_alive()] + [thread]
     else:
         shutil.rmtree(trash, ignore_errors=True)
+
+
+_DELETIONS: list[threading.Thread] = []
+_DELETIONS_LOCK = threading.Lock()
+
+
+def wait_for_deletions(timeout: float) -> bool:
+    """Wait (bounded) for background deletions to finish; True when none is left running."""
+    with _DELETIONS_LOCK:
+        threads = list(_DELETIONS)
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
 
 
 def retain(root: Path, keep_last: int, *, background: bool = False) -> list[str]:

@@ -540,6 +540,21 @@ def rebuild(manifest: Manifest, bases: Callable[[torch.dtype], torch.Tensor], sl
     return build(manifest.tree, tensors)
 
 
+def first_tensor_steps(node: Any) -> list[Any] | None:
+    """Keys / indices leading from the root to the first tensor of a tree, or None without one."""
+    if type(node) is int:
+        return []
+    kind = node[0]
+    if kind == LEAF:
+        return None
+    keys = node[1] if kind == DICT or (kind == REDUCED and node[1] is not None) else None
+    for i, child in enumerate(node[2]):
+        rest = first_tensor_steps(child)
+        if rest is not None:
+            return [keys[i] if keys is not None else i, *rest]
+    return None
+
+
 def build(node: Any, tensors: list[torch.Tensor]) -> Any:
     """The structure of `node` with tensor references replaced by `tensors[i]`."""
     if type(node) is int:

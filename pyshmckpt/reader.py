@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import mmap
 import os
@@ -108,7 +109,11 @@ def _tensors(st_path: Path, view: memoryview, header: Any, described: Any) -> li
             offset = int(item["offset"])
             flags = int(item.get("flags", 0))
             entry_name = item["entry"]
-        except (KeyError, TypeError, ValueError) as exc:
+            if entry_name is not None and not isinstance(entry_name, str):
+                raise TypeError("entry must be a string or null")
+            if flags & layout.REQUIRES_GRAD and not (dtype.is_floating_point or dtype.is_complex):
+                raise ValueError(f"a {item['dtype']} tensor cannot require gradients")
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointCorruptError(str(st_path), f"malformed tensor description: {exc}", tensor=name) from None
         if len(shape) != len(stride) or any(d < 0 for d in shape) or any(s < 0 for s in stride) or offset < 0:
             raise CheckpointCorruptError(str(st_path), "invalid shape, stride or offset", tensor=name)
@@ -147,17 +152,28 @@ def _flagged(t: torch.Tensor, flags: int) -> torch.Tensor:
 
 
 def _move(state: Any, device: torch.device) -> Any:
-    """Move every tensor to `device`, keeping tensors that shared a storage sharing one."""
-    moved: dict[int, torch.Tensor] = {}
+    """Move every tensor to `device`; tensors that shared a storage share one there too."""
+    storages: dict[int, Any] = {}
+
+    def move_tensor(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        moved = storages.get(key)
+        if moved is None:
+            raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+            moved = storages[key] = raw.to(device).untyped_storage()
+        out = torch.empty(0, dtype=t.dtype, device=device)
+        with torch.no_grad():
+            out.set_(moved, t.storage_offset(), t.shape, t.stride())
+        if isinstance(t, torch.nn.Parameter):
+            return torch.nn.Parameter(out, requires_grad=t.requires_grad)
+        return out.requires_grad_(t.requires_grad) if t.requires_grad else out
 
     def visit(node: Any) -> Any:
         if isinstance(node, torch.Tensor):
-            key = id(node)
-            if key not in moved:
-                moved[key] = node.detach().to(device)
-            return moved[key]
+            return move_tensor(node)
         if isinstance(node, dict):
-            out = type(node)() if type(node) in (dict,) else node.copy()
+            out = copy.copy(node)  # same type, default_factory and attributes (_metadata)
             for k, v in node.items():
                 out[k] = visit(v)
             return out
@@ -227,7 +243,14 @@ def verify(path: str | os.PathLike[str], rank: int = 0) -> int:
     _, st_path, described, header, mapped = _open(path, rank)
     view = memoryview(mapped)
     _verify(st_path, view, header, described.get("entries"))
-    return len(_tensors(st_path, view, header, described.get("tensors")))
+    tensors = _tensors(st_path, view, header, described.get("tensors"))
+    try:  # the structure too; pickled parts are only checked for presence, never unpickled
+        tree_codec.decode(described.get("tree"), tensors, allow_pickle=False)
+    except tree_codec.PickleRequired:
+        pass
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
+        raise CheckpointCorruptError(str(st_path.with_suffix(".json")), f"malformed structure: {exc}") from None
+    return len(tensors)
 
 
 def describe(path: str | os.PathLike[str], rank: int = 0) -> list[dict[str, Any]]:

@@ -161,7 +161,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
         """Arena, slot, generation and manifest of a state dict this stager returned, else None."""
         for arena in list(self._arenas):
             slot = arena.find(id(staged))
-            if slot is not None:
+            if slot is not None and _views_slot(staged, slot):
                 return StagedHandle(slot)
         return None
 
@@ -380,6 +380,24 @@ def _shift(rows: np.ndarray, offset: int) -> np.ndarray:
     shifted = rows.copy()
     shifted[:, 1] += np.uint64(offset)
     return shifted
+
+
+def _views_slot(staged: Any, slot: Slot) -> bool:
+    """Whether `staged` really is the state dict staged in `slot`, not a new object that reuses
+    the address (the id) of one that no longer exists: its first tensor must view the slot."""
+    manifest = slot.manifest
+    if manifest is None:
+        return False
+    steps = layout.first_tensor_steps(manifest.tree)
+    if steps is None:
+        return True  # no tensor: nothing in the slot to confuse
+    node = staged
+    try:
+        for step in steps:
+            node = node[step]
+    except (KeyError, IndexError, TypeError):
+        return False
+    return isinstance(node, torch.Tensor) and node.untyped_storage().data_ptr() == slot.storage.data_ptr()
 
 
 def find_staged(staged: Any) -> tuple[ShmStager, StagedHandle] | None:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from . import _C, layout
+from . import _C, commit, layout
 from .channel import (
     ChannelClosed,
     CheckpointAbortedError,
@@ -227,6 +227,7 @@ def writer_main(
             send(conn, _serve_write(request, writer, attached, views))
         elif request.kind is Kind.TERMINATE:
             error = None
+            commit.wait_for_deletions(60.0)  # old checkpoints being freed in the background
             close = getattr(writer, "close", None)
             if callable(close):
                 try:
@@ -367,7 +368,13 @@ class WriterProcess:
         )
         process.start()
         child_conn.close()
-        self._process, self._conn, self.pid = process, parent_conn, process.pid
+        with self._lock:
+            self._process, self._conn, self.pid = process, parent_conn, process.pid
+            closing = self._closing
+        if closing:  # close() ran while this was spawning: do not leave the child behind
+            self._failure = WriterDiedError("the checkpoint writer process was closed while starting")
+            self._reap()
+            raise self._failure
         try:
             message = receive(parent_conn, process.sentinel, self._init_timeout)
         except ChannelClosed:
@@ -378,6 +385,10 @@ class WriterProcess:
             )
             self._reap()
             raise self._failure from None
+        if self._closing:
+            self._failure = WriterDiedError("the checkpoint writer process was closed while starting")
+            self._reap()
+            raise self._failure
         if message is None:
             self._failure = TimeoutError(
                 f"Timed out after {self._init_timeout}s waiting for checkpoint subprocess to "
