@@ -222,12 +222,15 @@ class Arena:
                 # Releases notify at once; dropped references are noticed on the next check.
                 self._cond.wait(min(remaining, 0.005))
 
-    def find(self, staged_id: int) -> Slot | None:
+    def find(self, staged_id: int) -> list[Slot]:
+        """Slots (READY or WRITING) whose staged state dict had this id. Ids of dead objects are
+        reused, so the caller must check which candidate really holds its object."""
         with self._cond:
-            for slot in self.slots:
-                if slot.staged_id == staged_id and slot.state in (SlotState.READY, SlotState.WRITING):
-                    return slot
-        return None
+            return [
+                slot
+                for slot in self.slots
+                if slot.staged_id == staged_id and slot.state in (SlotState.READY, SlotState.WRITING)
+            ]
 
     def idle(self) -> bool:
         """True when no slot is staging, being written, referenced or receiving copies."""

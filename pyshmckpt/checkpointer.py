@@ -120,7 +120,9 @@ class Checkpointer:
         if self._writer_name == "safetensors" and not self._allow_pickle:
             handle = self._stager.handle(staged)
             try:
-                tree_codec.check_plain(handle.manifest.tree)  # type: ignore[union-attr]
+                if handle is None:
+                    raise PyshmckptError("internal error: the staged state dict has no slot")
+                tree_codec.check_plain(handle.manifest.tree)
             except BaseException:
                 self._stager.release(staged)
                 raise

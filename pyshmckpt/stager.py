@@ -160,9 +160,9 @@ class ShmStager(*_bases):  # type: ignore[misc]
     def handle(self, staged: Any) -> StagedHandle | None:
         """Arena, slot, generation and manifest of a state dict this stager returned, else None."""
         for arena in list(self._arenas):
-            slot = arena.find(id(staged))
-            if slot is not None and _views_slot(staged, slot):
-                return StagedHandle(slot)
+            for slot in arena.find(id(staged)):
+                if _views_slot(staged, slot):
+                    return StagedHandle(slot)
         return None
 
     def segments(self) -> list[tuple[str, int, bytes]]:
