@@ -49,22 +49,16 @@ class FilePlan:
 
 def plan_file(manifest: layout.Manifest) -> FilePlan:
     """Lay the slot's blocks out as safetensors entries (naturally aligned, no gaps)."""
-    n = len(manifest)
-    paths = manifest.paths()
-    dtypes = [manifest.dtypes[c] for c in manifest.dtype.tolist()]
-    ndim = manifest.ndim.tolist()
-    shapes = manifest.shapes.tolist()
-    strides = manifest.strides.tolist()
-    offsets = manifest.offset.tolist()
-    nbytes = manifest.nbytes.tolist()
-    block_of = manifest.block.tolist()
+    rows = manifest.entries()
+    n = len(rows)
+    paths = [r.path for r in rows]
+    dtypes = [r.dtype for r in rows]
+    offsets = [r.offset for r in rows]
+    nbytes = [r.nbytes for r in rows]
+    block_of = [r.block for r in rows]
     flags = manifest.flags.tolist()
     blocks = manifest.blocks.tolist()
-    dims = []
-    pos = 0
-    for i in range(n):
-        dims.append((tuple(shapes[pos : pos + ndim[i]]), tuple(strides[pos : pos + ndim[i]])))
-        pos += ndim[i]
+    dims = [(r.shape, r.stride) for r in rows]
 
     # The tensor that covers each block exactly, if any, names the block's entry.
     owner: dict[int, int] = {}
