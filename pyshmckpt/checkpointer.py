@@ -27,6 +27,10 @@ def _no_init() -> None:
     pass
 
 
+def _check_plain(manifest: Any) -> None:
+    tree_codec.check_plain(manifest.tree)
+
+
 def _writer(name: str) -> Any:
     from .file_writer import SafetensorsWriter
     from .writers import DcpWriter, TorchSaveWriter
@@ -72,7 +76,6 @@ class Checkpointer:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None, not {keep_last!r}")
         self.root = Path(root)
-        self._writer_name = writer
         writer_cls = _writer(writer)
         self._allow_pickle = bool(allow_pickle)
         if self.root.is_dir():
@@ -80,7 +83,10 @@ class Checkpointer:
         writer_args: dict[str, Any] = {"keep_last": keep_last}
         if writer == "safetensors":
             writer_args["allow_pickle"] = self._allow_pickle
-        self._stager = ShmStager(capacity_bytes=capacity_bytes, slots=slots)
+        plain_only = writer == "safetensors" and not self._allow_pickle
+        self._stager = ShmStager(
+            capacity_bytes=capacity_bytes, slots=slots, validate=_check_plain if plain_only else None
+        )
         base = config or CheckpointProcessConfig()
         try:
             self._process = CheckpointProcess(
@@ -117,15 +123,6 @@ class Checkpointer:
         if target.exists() or target.is_symlink():
             raise FileExistsError(f"checkpoint {target} already exists")
         staged = self._stager.stage(state_dict)
-        if self._writer_name == "safetensors" and not self._allow_pickle:
-            handle = self._stager.handle(staged)
-            try:
-                if handle is None:
-                    raise PyshmckptError("internal error: the staged state dict has no slot")
-                tree_codec.check_plain(handle.manifest.tree)
-            except BaseException:
-                self._stager.release(staged)
-                raise
         written = self._process.write(staged, str(target))
         del staged  # its slot frees itself once written and unreferenced
         result: Future[Path] = Future()

@@ -98,6 +98,7 @@ def _verify(st_path: Path, view: memoryview, header: Any, recorded: Any) -> None
 def _tensors(st_path: Path, view: memoryview, header: Any, described: Any) -> list[torch.Tensor]:
     if not isinstance(described, list):
         raise CheckpointCorruptError(str(st_path), "the manifest lists no tensors")
+    raws: dict[str, torch.Tensor | None] = {}
     bases: dict[tuple[str, torch.dtype], torch.Tensor] = {}
     out = []
     for item in described:
@@ -130,12 +131,15 @@ def _tensors(st_path: Path, view: memoryview, header: Any, described: Any) -> li
             raise CheckpointCorruptError(str(st_path), "tensor lies outside its entry", tensor=name)
         base = bases.get((entry_name, dtype))
         if base is None:
+            raw = raws.get(entry_name)
+            if raw is None:
+                start = header.data_start + entry.begin
+                raw = torch.frombuffer(view, dtype=torch.uint8, count=length, offset=start) if length else None
+                raws[entry_name] = raw
+            # Every dtype's base views the one storage of the entry, so tensors of different
+            # dtypes over one entry keep sharing it (also when load() moves them to a device).
             count = length // dtype.itemsize
-            start = header.data_start + entry.begin
-            if count:
-                base = torch.frombuffer(view, dtype=dtype, count=count, offset=start)
-            else:
-                base = torch.empty(0, dtype=dtype)
+            base = raw[: count * dtype.itemsize].view(dtype) if raw is not None and count else torch.empty(0, dtype=dtype)
             bases[(entry_name, dtype)] = base
         with torch.no_grad():
             t = base.as_strided(shape, stride, offset // dtype.itemsize)

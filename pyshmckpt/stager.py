@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -68,6 +69,8 @@ class ShmStager(*_bases):  # type: ignore[misc]
         slot_timeout: seconds stage() waits for a busy slot (default 60,
             ``PYSHMCKPT_SLOT_TIMEOUT``).
         headroom: slot size over the first state dict's size when sizing automatically.
+        validate: called with each state dict's Manifest after the layout walk and before a slot
+            is taken or anything copied; whatever it raises, stage() raises, with nothing staged.
 
     A slot stays busy while its staged tensors are referenced in this process or until
     ``release()`` is called for it.
@@ -83,6 +86,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
         pin: bool | None = None,
         slot_timeout: float | None = None,
         headroom: float | None = None,
+        validate: Callable[[layout.Manifest], None] | None = None,
     ) -> None:
         self._closed = True  # until fully constructed, so __del__ has nothing to do
         if capacity_bytes is not None and (
@@ -100,6 +104,9 @@ class ShmStager(*_bases):  # type: ignore[misc]
         self._headroom = knobs.headroom() if headroom is None else float(headroom)
         if self._headroom < 1.0:
             raise ValueError(f"headroom must be >= 1.0, not {headroom}")
+        if validate is not None and not callable(validate):
+            raise TypeError(f"validate must be callable or None, not {type(validate).__name__}")
+        self._validate = validate
         self._allow_growth = bool(allow_growth)
         self._pin = pin
         self._async = bool(async_staging)
@@ -144,6 +151,8 @@ class ShmStager(*_bases):  # type: ignore[misc]
         """
         self._check_open()
         plan = layout.plan(state_dict)  # validation first: nothing is staged for bad input
+        if self._validate is not None:
+            self._validate(plan.manifest)
         if self._executor is None:
             return self._stage_plan(plan)
         events = self._record_producers(plan)

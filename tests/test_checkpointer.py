@@ -454,16 +454,8 @@ def test_leaves_that_need_pickle_are_refused_without_allow_pickle(shared):
     assert shared.save({"w": torch.ones(2)}, name="after-pickle").result(SAVE_TIMEOUT).is_dir()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: Checkpointer.save (checkpointer.py) checks for leaves that need pickle only after "
-        "staging the state dict (it stages, then calls tree_codec.check_plain and releases), "
-        "although its docstring says it raises 'at once, before staging': a rejected first save "
-        "allocates the shared-memory arena sized for the state dict"
-    ),
-)
 def test_leaves_that_need_pickle_are_refused_before_anything_is_staged(tmp_path):
+    """Regression: the check used to run after staging, so a refused first save allocated the arena."""
     with opened(tmp_path) as ck:
         with pytest.raises(UnsupportedValueError):
             ck.save({"w": torch.ones(1024), "counts": collections.Counter(a=1)})
@@ -1134,21 +1126,8 @@ def test_load_to_another_device_keeps_module_metadata(gpt_checkpoint):
     assert getattr(model, "_metadata", None) == gpt_checkpoint["expected"]["model"]._metadata
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason=(
-        "BUG: reader._move (reader.py), used by load() for any map_location but the CPU, keys the "
-        "moved storages by data_ptr() and reuses the one made for the first tensor met; load() "
-        "builds one base per (entry, dtype), each covering length // itemsize elements, so when "
-        "tensors of different dtypes view one entry and the shorter base comes first (e.g. "
-        "{'f': u8[:8].view(torch.float32), 'u': u8} with a 10-byte u8), the later tensor does "
-        "not fit its storage: RuntimeError('Trying to resize storage that is not resizable'). "
-        "Shown through reader._move(state, cpu), the code load() runs for other devices (no GPU "
-        "here, and 'meta' does not check bounds)"
-    ),
-)
 def test_moving_differently_typed_views_of_one_entry(shared):
+    """Regression: _move reused the storage made for the first (shorter, float32) base of the entry."""
     from pyshmckpt import reader
 
     u8 = torch.arange(10, dtype=torch.uint8)

@@ -173,6 +173,23 @@ def test_bad_tensor_stages_nothing_and_names_the_key_path(stager):
     assert torch.equal(stager.stage(state())["b"], torch.arange(64))
 
 
+def test_validate_sees_the_manifest_and_refuses_before_any_slot_is_taken():
+    seen = []
+
+    def validate(manifest):
+        seen.append(len(manifest))
+        if any(path == ("secret",) for path in manifest.paths()):
+            raise PermissionError("no secrets")
+
+    with ShmStager(slots=1, validate=validate) as s:
+        with pytest.raises(PermissionError, match="no secrets"):
+            s.stage({"secret": torch.ones(1024)})
+        assert s.arena is None, "a refused stage allocated the arena"
+        staged = s.stage(state())
+        assert torch.equal(staged["w"], torch.ones(64, 64))
+    assert seen == [1, 3]  # tensors in each state dict
+
+
 def test_failure_during_copy_frees_the_slot(stager, monkeypatch):
     stager.stage(state())
     arena = stager.arena
@@ -200,6 +217,7 @@ def test_failure_during_copy_frees_the_slot(stager, monkeypatch):
         ({"slots": "2"}, ValueError),
         ({"slot_timeout": -1}, ValueError),
         ({"headroom": 0.5}, ValueError),
+        ({"validate": "yes"}, TypeError),
     ],
 )
 def test_bad_constructor_arguments(kwargs, error):
