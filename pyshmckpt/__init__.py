@@ -10,6 +10,7 @@ from .cuda import cuda_available, cuda_compiled
 from .errors import (
     CapacityError,
     CheckpointCorruptError,
+    CommitError,
     PinningWarning,
     PyshmckptError,
     SlotsBusyError,
@@ -34,6 +35,7 @@ __all__ = [
     "CheckpointProcess",
     "CheckpointProcessConfig",
     "Checkpointer",
+    "CommitError",
     "CleanupError",
     "Manifest",
     "PinningWarning",

@@ -27,6 +27,23 @@ def _no_init() -> None:
     pass
 
 
+def _place(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is None or world_size is None:
+        import torch.distributed as dist
+
+        initialized = dist.is_available() and dist.is_initialized()
+        if rank is None:
+            rank = dist.get_rank() if initialized else 0
+        if world_size is None:
+            world_size = dist.get_world_size() if initialized else 1
+    for what, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world size {world_size}")
+    return rank, world_size
+
+
 def _check_plain(manifest: Any) -> None:
     tree_codec.check_plain(manifest.tree)
 
@@ -57,8 +74,16 @@ class Checkpointer:
         slots: shared-memory slots (2: stage the next save while one is written).
         keep_last: keep only this many committed checkpoints.
         allow_pickle: let the safetensors writer pickle leaves that are not plain data.
+        direct_io: the safetensors writer writes tensor data with O_DIRECT where the filesystem
+            allows it (bypassing the page cache), falling back to buffered writes elsewhere.
         capacity_bytes: bytes per slot, allocated up front (None: sized on first save).
         config: settings of the writer process (timeouts, restarts).
+        rank, world_size: this process's place among ranks that write each checkpoint together
+            (None: from torch.distributed when it is initialized, else 0 and 1). Every rank saves
+            under the same name (pass ``name``, or save equally often so the automatic names
+            agree) into a root on a filesystem they share; a save completes on each rank once the
+            whole checkpoint is committed, and fails on every rank if any rank fails.
+        barrier_timeout: seconds rank 0 waits for the other ranks' files (and they for its commit).
     """
 
     def __init__(
@@ -69,8 +94,12 @@ class Checkpointer:
         slots: int = 2,
         keep_last: int | None = None,
         allow_pickle: bool = False,
+        direct_io: bool = False,
         capacity_bytes: int | None = None,
         config: CheckpointProcessConfig | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        barrier_timeout: float = 600.0,
     ) -> None:
         self._closed = True
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
@@ -78,11 +107,24 @@ class Checkpointer:
         self.root = Path(root)
         writer_cls = _writer(writer)
         self._allow_pickle = bool(allow_pickle)
-        if self.root.is_dir():
-            commit.clean_leftovers(self.root)
+        self.rank, self.world_size = _place(rank, world_size)
+        if writer == "dcp" and self.world_size > 1:
+            raise NotImplementedError(
+                "the dcp writer is single-process; across ranks use torch.distributed.checkpoint."
+                "async_save with pyshmckpt.ShmStager, or the safetensors or torch writer"
+            )
+        if isinstance(barrier_timeout, bool) or not isinstance(barrier_timeout, (int, float)) or barrier_timeout <= 0:
+            raise ValueError(f"barrier_timeout must be a positive number, not {barrier_timeout!r}")
+        if self.rank == 0 and self.root.is_dir():
+            commit.clean_leftovers(self.root)  # other ranks' temporaries may be in progress
         writer_args: dict[str, Any] = {"keep_last": keep_last}
+        if self.world_size > 1:
+            writer_args["barrier_timeout"] = float(barrier_timeout)
         if writer == "safetensors":
             writer_args["allow_pickle"] = self._allow_pickle
+            writer_args["direct_io"] = bool(direct_io)
+        elif direct_io:
+            raise ValueError(f"direct_io applies to the safetensors writer, not {writer!r}")
         plain_only = writer == "safetensors" and not self._allow_pickle
         self._stager = ShmStager(
             capacity_bytes=capacity_bytes, slots=slots, validate=_check_plain if plain_only else None
@@ -90,7 +132,7 @@ class Checkpointer:
         base = config or CheckpointProcessConfig()
         try:
             self._process = CheckpointProcess(
-                _RankInfo(), base, _no_init, (), writer_cls, writer_args
+                _RankInfo(self.rank, self.world_size), base, _no_init, (), writer_cls, writer_args
             )
         except BaseException:
             self._stager.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from . import stale
 
@@ -20,28 +21,37 @@ def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
-def _verify(args: argparse.Namespace) -> int:
-    from .errors import CheckpointCorruptError
-    from .reader import verify
+def _checked(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Report a corrupt checkpoint as one line on stderr and exit status 1."""
 
-    try:
-        count = verify(args.path, rank=args.rank)
-    except CheckpointCorruptError as exc:
-        print(f"CORRUPT: {exc}", file=sys.stderr)
-        return 1
-    print(f"OK: {args.path}: {count} tensors, every checksum matches")
+    def wrapped(args: argparse.Namespace) -> int:
+        from .errors import CheckpointCorruptError
+
+        try:
+            return run(args)
+        except CheckpointCorruptError as exc:
+            print(f"CORRUPT: {exc}", file=sys.stderr)
+            return 1
+
+    return wrapped
+
+
+@_checked
+def _verify(args: argparse.Namespace) -> int:
+    from .reader import ranks, verify
+
+    checked = [args.rank] if args.rank is not None else ranks(args.path)
+    counts = [verify(args.path, rank=rank) for rank in checked]
+    where = f"rank {checked[0]}" if len(checked) == 1 else f"{len(checked)} ranks"
+    print(f"OK: {args.path}: {sum(counts)} tensors ({where}), every checksum matches")
     return 0
 
 
+@_checked
 def _inspect(args: argparse.Namespace) -> int:
-    from .errors import CheckpointCorruptError
     from .reader import describe
 
-    try:
-        rows = describe(args.path, rank=args.rank)
-    except CheckpointCorruptError as exc:
-        print(f"CORRUPT: {exc}", file=sys.stderr)
-        return 1
+    rows = describe(args.path, rank=args.rank)
     width = max([len(r["name"]) for r in rows] + [6])
     print(f"{'tensor':{width}s}  {'dtype':14s} {'shape':22s} {'bytes':>14s}  stored as")
     total = 0
@@ -52,16 +62,46 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from . import demo
+
+    return demo.main(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import bench_runner
+
+    return bench_runner.main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    from . import bench_runner, demo
+
     parser = argparse.ArgumentParser(prog="pyshmckpt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    demo_parser = sub.add_parser(
+        "demo", help="train a small GPT, checkpoint it through pyshmckpt and through torch's transport, compare"
+    )
+    demo.add_arguments(demo_parser)
+    demo_parser.set_defaults(run=_demo)
+    bench_parser = sub.add_parser("bench", help="run the benchmark suite (bench/), print the comparison, write JSON and plots")
+    bench_runner.add_arguments(bench_parser)
+    bench_parser.set_defaults(run=_bench)
     gc = sub.add_parser("gc", help="remove shared-memory segments whose owner process is gone")
     gc.add_argument("--prefix", default=None, help="segment name prefix (default: PYSHMCKPT_SEGMENT_PREFIX or pyshmckpt)")
     gc.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     gc.set_defaults(run=_gc)
     verify = sub.add_parser("verify", help="check a checkpoint's checksums and structure (exit 1 if corrupt)")
     verify.add_argument("path", help="a checkpoint directory, or a root (its latest)")
-    verify.add_argument("--rank", type=int, default=0)
+    verify.add_argument("--rank", type=int, default=None, help="check only this rank (default: every rank)")
     verify.set_defaults(run=_verify)
     inspect = sub.add_parser("inspect", help="list a checkpoint's tensors, dtypes, shapes and bytes")
     inspect.add_argument("path", help="a checkpoint directory, or a root (its latest)")

@@ -52,3 +52,7 @@ class CheckpointCorruptError(PyshmckptError, ValueError):
         self.path = path
         self.tensor = tensor
         self.reason = reason
+
+
+class CommitError(PyshmckptError, RuntimeError):
+    """A checkpoint written by several ranks was not committed: another rank failed or gave up."""

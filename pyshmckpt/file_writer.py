@@ -11,6 +11,7 @@ memory to the file with writev, with no intermediate copy; the directory is comm
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -47,8 +48,14 @@ class FilePlan:
     tensors: list[dict[str, Any]]  # per tensor: entry, offset within it, dtype, shape, stride, flags
 
 
-def plan_file(manifest: layout.Manifest) -> FilePlan:
-    """Lay the slot's blocks out as safetensors entries (naturally aligned, no gaps)."""
+def plan_file(manifest: layout.Manifest, *, mirror_slot: bool = False) -> FilePlan:
+    """Lay the slot's blocks out as safetensors entries (naturally aligned, no gaps).
+
+    By default entries with larger items come first, so the data needs no padding. With
+    `mirror_slot`, the data is an exact image of the slot's first `manifest.size` bytes (blocks
+    in slot order, the alignment gaps between them as raw padding entries), so it can be written
+    as one range (with O_DIRECT: the file and the slot keep the same alignment).
+    """
     rows = manifest.entries()
     n = len(rows)
     paths = [r.path for r in rows]
@@ -95,13 +102,21 @@ def plan_file(manifest: layout.Manifest) -> FilePlan:
     def itemsize_of(b: int) -> int:
         return layout.DTYPES[dtypes[owner[b]]].itemsize if b in owner else 1
 
-    order = sorted(range(len(blocks)), key=lambda b: -itemsize_of(b))
+    if mirror_slot:
+        order = sorted(range(len(blocks)), key=lambda b: blocks[b][0])
+    else:
+        order = sorted(range(len(blocks)), key=lambda b: -itemsize_of(b))
     entries: list[HeaderEntry] = []
     sources: list[tuple[int, int]] = []
     entry_of_block: dict[int, str] = {}
     cursor = 0
     for b in order:
         start, size = blocks[b]
+        if mirror_slot and start > cursor:  # the alignment gap before this block
+            gap = start - cursor
+            entries.append(HeaderEntry(f"{BLOCK_PREFIX}pad{len(entries)}", "U8", (gap,), cursor, start))
+            sources.append((cursor, gap))
+            cursor = start
         if b in owner:
             i = owner[b]
             name = unique(tensor_name(paths[i]))
@@ -161,23 +176,40 @@ def _coalesce(view: memoryview, base: int, sources: list[tuple[int, int]]) -> li
     return [view[base + start : base + start + size] for start, size in merged]
 
 
+DIRECT_IO_BLOCK = 4096  # O_DIRECT alignment of file offsets, lengths and memory (safe for 512 too)
+DIRECT_IO_CHUNK = 32 << 20  # bytes per O_DIRECT pwrite
+DIRECT_IO_THREADS = 4  # pwrites in flight
+
+
 class SafetensorsWriter:
     """Writes rank files into ``path`` (a checkpoint directory) and commits it atomically.
 
     Used in the writer subprocess of ``pyshmckpt.CheckpointProcess``: ``write_slot`` receives
     the slot itself, so tensor bytes go from shared memory to the file without a copy.
+
+    With ``direct_io=True`` the file's data is an image of the slot (see ``plan_file``) starting
+    at a 4 KiB boundary, and its 4 KiB-aligned bulk is written with O_DIRECT (bypassing the page
+    cache: no cache pollution, no writeback burst at fsync); the header and the unaligned tail go
+    through the page cache. Where the filesystem refuses O_DIRECT (tmpfs, some network
+    filesystems: EINVAL at open or first write), the writer falls back to buffered writes.
+    ``last_direct_bytes`` tells how many bytes the last write sent with O_DIRECT.
     """
 
-    def __init__(self, rank_info: Any = None, *, keep_last: int | None = None, allow_pickle: bool = False) -> None:
-        self.rank = int(getattr(rank_info, "global_rank", 0) or 0)
-        self.world_size = int(getattr(rank_info, "global_world_size", 1) or 1)
-        if self.world_size != 1:
-            raise NotImplementedError(
-                "SafetensorsWriter commits a checkpoint directory from one rank; multi-rank commits "
-                "need a barrier and are not supported yet"
-            )
+    def __init__(
+        self,
+        rank_info: Any = None,
+        *,
+        keep_last: int | None = None,
+        allow_pickle: bool = False,
+        barrier_timeout: float = 600.0,
+        direct_io: bool = False,
+    ) -> None:
+        self.rank, self.world_size = commit.rank_and_world(rank_info)
         self.keep_last = keep_last
         self.allow_pickle = allow_pickle
+        self.barrier_timeout = float(barrier_timeout)
+        self.direct_io = bool(direct_io)
+        self.last_direct_bytes = 0
 
     def write(self, path: str, state_dict: Any, **kwargs: Any) -> None:
         raise TypeError(
@@ -190,24 +222,37 @@ class SafetensorsWriter:
     ) -> None:
         tree = tree_codec.encode(manifest.tree, allow_pickle=self.allow_pickle)
         commit.commit_directory(
-            path, lambda temp: self._write_files(temp, segment, offset, manifest, tree), self.keep_last
+            path,
+            lambda temp: self._write_files(temp, segment, offset, manifest, tree),
+            self.keep_last,
+            rank=self.rank,
+            world_size=self.world_size,
+            barrier_timeout=self.barrier_timeout,
         )
 
     def _write_files(
         self, directory: Path, segment: _C.Segment, offset: int, manifest: layout.Manifest, tree: Any
-    ) -> None:
-        plan = plan_file(manifest)
+    ) -> list[Path]:
+        direct = self.direct_io and (segment.address + offset) % DIRECT_IO_BLOCK == 0
+        plan = plan_file(manifest, mirror_slot=direct)
         ranges = np.array([[offset + s, n] for s, n in plan.sources], dtype=np.uint64).reshape(-1, 2)
         st_name, json_name = file_names(self.rank)
-        header = build_header(plan.entries, {"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+        metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION)}
+        header = build_header(plan.entries, metadata, alignment=DIRECT_IO_BLOCK if direct else 8)
         view = memoryview(segment)
+        self.last_direct_bytes = 0
         # Checksums (GIL released, thread pool) run while the file is written.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyshmckpt-crc") as pool:
             checksums = pool.submit(segment.checksums, ranges)
             try:
-                fd = os.open(directory / st_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                st_path = directory / st_name
+                fd = os.open(st_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
                 try:
-                    _write_all(fd, [memoryview(header), *_coalesce(view, offset, plan.sources)])
+                    if direct:
+                        data = view[offset : offset + manifest.size]
+                        self.last_direct_bytes = _write_direct(st_path, fd, memoryview(header), data)
+                    else:
+                        _write_all(fd, [memoryview(header), *_coalesce(view, offset, plan.sources)])
                     os.fsync(fd)
                 finally:
                     os.close(fd)
@@ -229,6 +274,54 @@ class SafetensorsWriter:
             json.dump(described, f, separators=(",", ":"))
             f.flush()
             os.fsync(f.fileno())
+        return []  # both files are fsynced already
+
+
+def _pwrite_all(fd: int, data: memoryview, position: int) -> None:
+    while len(data):
+        written = os.pwrite(fd, data, position)
+        data, position = data[written:], position + written
+
+
+def _write_direct(path: Path, fd: int, header: memoryview, data: memoryview) -> int:
+    """Write header + data to the new file `fd`: the header and the unaligned tail through the
+    page cache, the aligned bulk with O_DIRECT from the caller's (page-aligned) memory.
+    Returns the bytes written with O_DIRECT (0 when the filesystem refused it)."""
+    start = len(header)  # a multiple of DIRECT_IO_BLOCK
+    _pwrite_all(fd, header, 0)
+    bulk = len(data) - len(data) % DIRECT_IO_BLOCK
+    direct = 0
+    if bulk:
+        try:
+            dfd = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            dfd = -1
+        if dfd >= 0:
+            try:
+                direct = _pwrite_chunks(dfd, data[:bulk], start)
+            finally:
+                os.close(dfd)
+    _pwrite_all(fd, data[direct:], start + direct)
+    return direct
+
+
+def _pwrite_chunks(dfd: int, data: memoryview, start: int) -> int:
+    """O_DIRECT pwrites of DIRECT_IO_CHUNK bytes, a few in flight; returns the bytes written
+    (0 if the filesystem refuses O_DIRECT writes: EINVAL on the first chunk)."""
+    chunks = [(pos, data[pos : pos + DIRECT_IO_CHUNK]) for pos in range(0, len(data), DIRECT_IO_CHUNK)]
+    first_pos, first = chunks[0]
+    try:
+        _pwrite_all(dfd, first, start + first_pos)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return 0
+    with ThreadPoolExecutor(max_workers=DIRECT_IO_THREADS, thread_name_prefix="pyshmckpt-dio") as pool:
+        for done in [pool.submit(_pwrite_all, dfd, chunk, start + pos) for pos, chunk in chunks[1:]]:
+            done.result()
+    return len(data)
 
 
 __all__ = ["SafetensorsWriter", "file_names", "plan_file"]

@@ -239,6 +239,25 @@ def _open(path: str | os.PathLike[str], rank: int) -> tuple[Path, Path, dict[str
     return json_path, st_path, described, header, mapped
 
 
+def ranks(path: str | os.PathLike[str]) -> list[int]:
+    """The ranks a checkpoint holds files of: every rank of the world size its commit recorded
+    (without a commit record, the ranks whose manifests are present)."""
+    directory = _checkpoint_dir(path)
+    record = directory / commit.COMMIT_RECORD
+    try:
+        world = json.loads(record.read_text()).get("world_size", 1)
+    except FileNotFoundError:
+        found = sorted(
+            int(p.name[4:-5]) for p in directory.glob("rank*.json") if p.name[4:-5].isdigit()
+        )
+        return found or [0]
+    except (OSError, ValueError, AttributeError, RecursionError) as exc:
+        raise CheckpointCorruptError(str(record), f"unreadable commit record: {exc}") from None
+    if type(world) is not int or world < 1:
+        raise CheckpointCorruptError(str(record), f"invalid world size {world!r}")
+    return list(range(world))
+
+
 def verify(path: str | os.PathLike[str], rank: int = 0) -> int:
     """Check every checksum and that every tensor lies inside the file (nothing is unpickled).
 

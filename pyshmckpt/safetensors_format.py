@@ -175,8 +175,11 @@ def _check_tiling(
 # --------------------------------------------------------------------------------------- building
 
 
-def build_header(entries: list[HeaderEntry], metadata: dict[str, str] | None = None) -> bytes:
-    """The bytes before the tensor data: length prefix, compact JSON, spaces to a multiple of 8.
+def build_header(
+    entries: list[HeaderEntry], metadata: dict[str, str] | None = None, alignment: int = _ALIGN
+) -> bytes:
+    """The bytes before the tensor data: length prefix, compact JSON, spaces to a multiple of
+    `alignment` (8 by default; a multiple of 8), which is where the data starts.
 
     Entries appear in the order given (after ``__metadata__``, if any). They must tile the data
     buffer from offset 0 without gaps or overlaps; ValueError describes any invalid input.
@@ -215,7 +218,9 @@ def build_header(entries: list[HeaderEntry], metadata: dict[str, str] | None = N
     if problem is not None:
         raise ValueError(f"{problem[0]}: {problem[1]}")
     text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    text += b" " * (-(8 + len(text)) % _ALIGN)
+    if not _is_int(alignment) or alignment < _ALIGN or alignment % _ALIGN:
+        raise ValueError(f"alignment must be a positive multiple of {_ALIGN}, not {alignment!r}")
+    text += b" " * (-(8 + len(text)) % alignment)
     return struct.pack("<Q", len(text)) + text
 
 

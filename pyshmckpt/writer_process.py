@@ -203,7 +203,13 @@ def writer_main(
     checkpoint_writer_init_fn: Callable[..., Any],
     checkpoint_writer_init_args: dict[str, Any],
 ) -> None:
-    """Entry point of the writer subprocess."""
+    """Entry point of the writer subprocess.
+
+    It ignores SIGINT: a terminal's Ctrl-C reaches the whole process group, and it is the
+    trainer that decides what happens to pending writes (close() finishes them, close(abort=True)
+    drops them; the trainer's death stops the writer either way).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     attached = _AttachedSegments()
     _watch_parent(parent_pid, attached.unlink_all)
     try:

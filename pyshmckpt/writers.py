@@ -11,34 +11,36 @@ import torch
 from . import commit
 
 
-def _rank(rank_info: Any) -> tuple[int, int]:
-    rank = int(getattr(rank_info, "global_rank", 0) or 0)
-    world = int(getattr(rank_info, "global_world_size", 1) or 1)
-    if world != 1:
-        raise NotImplementedError("multi-rank commits need a barrier and are not supported yet")
-    return rank, world
-
-
 class TorchSaveWriter:
     """torch.save with torch's layout (``checkpoint_{rank}.pt``, what torch's CheckpointReader
     reads), committed atomically."""
 
-    def __init__(self, rank_info: Any = None, *, keep_last: int | None = None) -> None:
-        self.rank, _ = _rank(rank_info)
+    def __init__(self, rank_info: Any = None, *, keep_last: int | None = None, barrier_timeout: float = 600.0) -> None:
+        self.rank, self.world_size = commit.rank_and_world(rank_info)
         self.keep_last = keep_last
+        self.barrier_timeout = float(barrier_timeout)
 
     def write(self, path: str, state_dict: Any, **kwargs: Any) -> None:
-        def fill(temp: Path) -> None:
-            torch.save(state_dict, temp / f"checkpoint_{self.rank}.pt")
+        def fill(temp: Path) -> list[Path]:
+            file = temp / f"checkpoint_{self.rank}.pt"
+            torch.save(state_dict, file)
+            return [file]
 
-        commit.commit_directory(path, fill, self.keep_last)
+        commit.commit_directory(
+            path, fill, self.keep_last, rank=self.rank, world_size=self.world_size, barrier_timeout=self.barrier_timeout
+        )
 
 
 class DcpWriter:
     """torch.distributed.checkpoint format (single process), committed atomically."""
 
     def __init__(self, rank_info: Any = None, *, keep_last: int | None = None) -> None:
-        _rank(rank_info)
+        if commit.rank_and_world(rank_info)[1] != 1:
+            raise NotImplementedError(
+                "the DCP writer is single-process: DCP across ranks plans the save collectively over "
+                "torch.distributed, which a writer subprocess does not join (use "
+                "torch.distributed.checkpoint.async_save with pyshmckpt.ShmStager instead)"
+            )
         self.keep_last = keep_last
 
     def write(self, path: str, state_dict: Any, **kwargs: Any) -> None:

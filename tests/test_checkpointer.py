@@ -16,7 +16,6 @@ import collections
 import contextlib
 import copy
 import dataclasses
-import gc
 import hashlib
 import json
 import os
@@ -28,27 +27,38 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import (
+    SAVE_TIMEOUT,
+    bounded_config,
+    child_env,
+    failure_of,
+    hidden,
+    link_target,
+    names_in,
+    opened,
+    pid_running,
+    same_bytes,
+    small_tmpfs,
+    visible,
+    wait_until,
+)
 
 import pyshmckpt
 from pyshmckpt import (
     CheckpointAbortedError,
     CheckpointCorruptError,
     Checkpointer,
-    CheckpointProcessConfig,
     UnsupportedValueError,
     cli,
     commit,
 )
 from pyshmckpt.arena import SlotState
 
-REPO_ROOT = Path(pyshmckpt.__file__).resolve().parent.parent
-SAVE_TIMEOUT = 60.0  # seconds a single save may take (they take well under a second here)
 CLI_TIMEOUT = 120.0
 
 
@@ -64,81 +74,6 @@ class Schedule:
 
     warmup: int
     decay: float
-
-
-def bounded_config() -> CheckpointProcessConfig:
-    """Writer settings with every wait bounded well below the test timeout."""
-    return CheckpointProcessConfig(
-        subprocess_init_timeout_secs=60,
-        subprocess_shutdown_timeout_secs=15,
-        write_timeout_secs=120,
-    )
-
-
-@contextlib.contextmanager
-def opened(root: Path | str, **kwargs: Any) -> Iterator[Checkpointer]:
-    kwargs.setdefault("config", bounded_config())
-    ck = Checkpointer(root, **kwargs)
-    try:
-        yield ck
-    finally:
-        ck.close()
-
-
-def names_in(directory: Path) -> list[str]:
-    return [p.name for p in directory.iterdir()]
-
-
-def link_target(link: Path) -> str:
-    """Where a symbolic link points, as written (checkpoints link by name)."""
-    return str(link.readlink())
-
-
-def visible(root: Path) -> list[str]:
-    """Checkpoint names a reader may see: entries not starting with '.', without `latest`."""
-    return sorted(n for n in names_in(root) if not n.startswith(".") and n != commit.LATEST)
-
-
-def hidden(root: Path) -> list[str]:
-    return sorted(n for n in names_in(root) if n.startswith("."))
-
-
-def proc_state(pid: int) -> str | None:
-    """The /proc state letter of `pid` (R, S, T, Z, ...), None when there is no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return stat[stat.rfind(")") + 2]
-
-
-def pid_running(pid: int) -> bool:
-    return proc_state(pid) not in (None, "Z", "X")
-
-
-def wait_until(
-    predicate: Callable[[], bool], timeout: float, what: str, poll: float = 0.01
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(poll)
-
-
-def failure_of(future: Future[Any], timeout: float = SAVE_TIMEOUT) -> BaseException:
-    exc = future.exception(timeout=timeout)
-    assert exc is not None, f"the save succeeded ({future.result()}) but a failure was expected"
-    return exc
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return torch.equal(
-        a.detach().contiguous().view(-1).view(torch.uint8),
-        b.detach().contiguous().view(-1).view(torch.uint8),
-    )
 
 
 def assert_same_tree(expected: Any, actual: Any, path: str = "state") -> None:
@@ -180,14 +115,6 @@ def tree_hash(directory: Path) -> dict[str, str]:
         for p in sorted(directory.rglob("*"))
         if p.is_file()
     }
-
-
-def child_env() -> dict[str, str]:
-    """This environment (segment prefix included) with pyshmckpt importable."""
-    env = dict(os.environ)
-    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(REPO_ROOT), *inherited]))
-    return env
 
 
 def read_st_header(path: Path) -> tuple[int, dict[str, Any]]:
@@ -667,26 +594,6 @@ def test_dcp_writer_writes_a_dcp_loadable_checkpoint(tmp_path, trained):
 # --------------------------------------------------------------------------------------------
 # disk full
 # --------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def small_tmpfs(path: Path, size: str = "2m") -> Iterator[Path]:
-    path.mkdir()
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount a tmpfs: {exc}")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        gc.collect()  # loaded tensors map files of this file system
-        if subprocess.run(["umount", str(path)], capture_output=True, timeout=30).returncode != 0:
-            subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
 
 
 def test_disk_full_fails_that_save_only(tmp_path):

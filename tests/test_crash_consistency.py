@@ -25,18 +25,27 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import (
+    SHM,
+    child_env,
+    hidden,
+    link_target,
+    names_in,
+    opened,
+    pid_running,
+    visible,
+    wait_until,
+)
 
 import pyshmckpt
-from pyshmckpt import Checkpointer, CheckpointProcessConfig, WriterDiedError, commit
+from pyshmckpt import WriterDiedError, commit
 
-REPO_ROOT = Path(pyshmckpt.__file__).resolve().parent.parent
-SHM = Path("/dev/shm")
 # Kills: at least MIN_ITERATIONS, more (up to MAX_ITERATIONS) while under BUDGET seconds. Each
 # costs a trainer start (python, torch, the writer's spawn: 4-5 s here, twice that under
 # PYTHONOPTIMIZE without bytecode caches) plus the random delay.
@@ -125,14 +134,6 @@ TRAINER = textwrap.dedent(
 # --------------------------------------------------------------------------------------------
 
 
-def child_env() -> dict[str, str]:
-    """This environment (the session's segment prefix included) with pyshmckpt importable."""
-    env = dict(os.environ)
-    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(REPO_ROOT), *inherited]))
-    return env
-
-
 def proc_stat(pid: int) -> list[str] | None:
     """Fields of /proc/pid/stat after the command name (state, ppid, pgrp, ...), or None."""
     try:
@@ -140,12 +141,6 @@ def proc_stat(pid: int) -> list[str] | None:
     except (FileNotFoundError, ProcessLookupError):
         return None
     return stat[stat.rfind(")") + 2 :].split()
-
-
-def pid_running(pid: int) -> bool:
-    """True while `pid` exists and has not exited (an unreaped zombie has exited)."""
-    fields = proc_stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
 
 
 def group_members(pgid: int) -> list[int]:
@@ -165,52 +160,10 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-def wait_until(
-    predicate: Callable[[], bool], timeout: float, what: str, poll: float = 0.01
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(poll)
-
-
-def names_in(directory: Path) -> list[str]:
-    return [p.name for p in directory.iterdir()]
-
-
-def link_target(link: Path) -> str:
-    """Where a symbolic link points, as written (checkpoints link by name)."""
-    return str(link.readlink())
-
-
-def visible(root: Path) -> list[str]:
-    return sorted(n for n in names_in(root) if not n.startswith(".") and n != commit.LATEST)
-
-
-def hidden(root: Path) -> list[str]:
-    return sorted(n for n in names_in(root) if n.startswith("."))
-
-
 def segments_of(pid: int) -> list[str]:
     """This session's segments in /dev/shm owned by `pid` (name: <prefix>-<pid>-<hex>)."""
     start = f"{os.environ['PYSHMCKPT_SEGMENT_PREFIX']}-{pid}-"
     return sorted(p.name for p in SHM.iterdir() if p.name.startswith(start))
-
-
-def bounded_config() -> CheckpointProcessConfig:
-    return CheckpointProcessConfig(
-        subprocess_init_timeout_secs=60, subprocess_shutdown_timeout_secs=15, write_timeout_secs=120
-    )
-
-
-@contextlib.contextmanager
-def opened(root: Path, **kwargs: Any) -> Iterator[Checkpointer]:
-    ck = Checkpointer(root, config=bounded_config(), **kwargs)
-    try:
-        yield ck
-    finally:
-        ck.close()
 
 
 def tensors_of(tree: Any, path: str = "state") -> Iterator[tuple[str, torch.Tensor]]:

@@ -11,18 +11,13 @@ import torch
 import pyshmckpt
 from pyshmckpt import _C, layout
 from conftest import train_step
+from helpers import same_bytes
 
 SPAWN_TIMEOUT = 120
 
 
 def full_state(model, optimizer) -> dict:
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 1}
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
 
 
 def assert_tree_equal(a, b) -> None:

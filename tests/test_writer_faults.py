@@ -11,7 +11,6 @@ spawned child can import it, and uses no bare ``assert`` (it would vanish under 
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -30,6 +29,14 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import (
+    SHM,
+    child_env,
+    failure_of,
+    pid_running,
+    proc_state,
+    wait_until,
+)
 
 import pyshmckpt
 from pyshmckpt import (
@@ -46,9 +53,6 @@ from pyshmckpt import (
 )
 from pyshmckpt.channel import Kind, Request
 
-SHM = Path("/dev/shm")
-HERE = Path(__file__).resolve().parent
-REPO_ROOT = Path(pyshmckpt.__file__).resolve().parent.parent
 SPAWN_TIMEOUT = 60.0  # a real spawn takes 1-3 s here; generous for loaded machines
 
 
@@ -204,16 +208,6 @@ def read_record(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> float:
-    """Poll `predicate` (every 10 ms) until true; returns the seconds it took."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
-    return time.monotonic() - start
-
-
 def wait_started(target: Path, timeout: float = SPAWN_TIMEOUT) -> int:
     """Wait until the writer entered write() for `target`; returns the writer's pid."""
     marker = Path(f"{target}.started")
@@ -221,33 +215,9 @@ def wait_started(target: Path, timeout: float = SPAWN_TIMEOUT) -> int:
     return int(marker.read_text())
 
 
-def failure_of(future: Future[Any], timeout: float) -> BaseException:
-    """The exception `future` fails with, waiting at most `timeout` s (never confused with a
-    TimeoutError of the wait itself)."""
-    done, _ = concurrent.futures.wait([future], timeout)
-    assert done, f"the future did not resolve within {timeout}s"
-    exc = future.exception()
-    assert exc is not None, "the future succeeded but a failure was expected"
-    return exc
-
-
-def proc_state(pid: int) -> str | None:
-    """The state letter of `pid` in /proc (R, S, T, Z, ...) or None when there is no such pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return stat[stat.rfind(")") + 2]
-
-
 def pid_exists(pid: int) -> bool:
     """True while `pid` exists at all (a zombie not yet reaped counts)."""
     return proc_state(pid) is not None
-
-
-def pid_running(pid: int) -> bool:
-    """True while `pid` exists and has not exited (zombies are dead)."""
-    return proc_state(pid) not in (None, "Z", "X")
 
 
 class OnDone:
@@ -274,15 +244,6 @@ def kill_quietly(pid: int | None) -> None:
     if pid is not None and pid_running(pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-
-
-def child_env() -> dict[str, str]:
-    """This environment (segment prefix included), with pyshmckpt and this directory importable."""
-    env = dict(os.environ)
-    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    paths = [str(REPO_ROOT), str(HERE), *inherited]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    return env
 
 
 @pytest.fixture

@@ -1,0 +1,87 @@
+"""The two sides every benchmark compares, built the same way everywhere.
+
+* ours: ``pyshmckpt.ShmStager`` + ``pyshmckpt.CheckpointProcess`` (the manifest goes through the
+  pipe, the bytes stay in shared memory);
+* torch: ``DefaultStager`` (shared memory, synchronous) + torch's ``_experimental``
+  ``CheckpointProcess``, which pickles the state dict through its pipe (one file descriptor per
+  storage).
+
+Writers are stand-ins that do the same work on both sides: ``PageTouchingWriter`` reads one byte
+of every page of every tensor (the writer has really received the data), ``NoopWriter`` does
+nothing (the handoff alone).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from torch.distributed.checkpoint._experimental.types import RankInfo
+
+from pyshmckpt import CheckpointProcess, CheckpointProcessConfig
+
+RANK = RankInfo(global_rank=0, global_world_size=1)
+PAGE = 4096
+
+
+def no_init() -> None:
+    pass
+
+
+class PageTouchingWriter:
+    """Reads one byte of every page of every tensor, as a stand-in for a writer."""
+
+    def __init__(self, rank_info: RankInfo) -> None:
+        self.rank_info = rank_info
+
+    def write(self, path: str, state_dict: Any, **kwargs: Any) -> None:
+        # numpy views are the cheapest per-tensor access from Python; the concatenation reads the
+        # first byte of every page of every tensor.
+        pages = [t.numpy().reshape(-1).view(np.uint8)[::PAGE] for t in state_dict.values()]
+        self.last = int(np.concatenate(pages).sum(dtype=np.int64))
+
+
+class NoopWriter:
+    def __init__(self, rank_info: RankInfo) -> None:
+        self.rank_info = rank_info
+
+    def write(self, path: str, state_dict: Any, **kwargs: Any) -> None:
+        pass
+
+
+def ours_process(writer: type) -> CheckpointProcess:
+    """Our writer process, started (spawn finished) before any timing."""
+    cp = CheckpointProcess(RANK, CheckpointProcessConfig(), no_init, (), writer, {})
+    cp.process_creation_future.result()
+    return cp
+
+
+def torch_process(writer: type) -> Any:
+    """Torch's writer process, started before any timing."""
+    from torch.distributed.checkpoint._experimental.checkpoint_process import (
+        CheckpointProcess as TorchProcess,
+    )
+    from torch.distributed.checkpoint._experimental.checkpoint_process import (
+        CheckpointProcessConfig as TorchConfig,
+    )
+
+    cp = TorchProcess(RANK, TorchConfig(), no_init, (), writer, {})
+    cp.process_creation_future.result()
+    return cp
+
+
+def torch_stager() -> Any:
+    """Torch's DefaultStager as configured for CPU state: shared memory on, synchronous."""
+    from torch.distributed.checkpoint._experimental.staging import (
+        CheckpointStagerConfig,
+        DefaultStager,
+    )
+
+    return DefaultStager(
+        CheckpointStagerConfig(
+            use_pinned_memory=False,
+            use_shared_memory=True,
+            use_async_staging=False,
+            use_non_blocking_copy=False,
+        )
+    )

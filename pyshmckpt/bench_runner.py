@@ -1,0 +1,233 @@
+"""``pyshmckpt bench``: run the benchmark suite (``bench/``), print the comparison, write plots.
+
+The suite is the pytest-benchmark suite of the repository's ``bench/`` directory (found in the
+current directory, beside an editable install, or given with ``--suite``). Its results go to
+``DIR/results.json`` (our medians, ratios and sweep rows) and ``DIR/pytest-benchmark.json``
+(pytest-benchmark's own record); the plots to ``DIR/throughput_vs_size.png`` and
+``DIR/throughput_vs_tensors.png``, one line per transport.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+GIB = 1 << 30
+MIB = 1 << 20
+PHASES = {"staging": "staging", "e2e": "stage + handoff + writer reads every page"}
+TRANSPORTS = {"ours": "pyshmckpt (ShmStager + CheckpointProcess)", "torch": "torch (DefaultStager + pipe)"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="only the sweeps, small sizes, few rounds (about 2 min)")
+    parser.add_argument("--output", type=Path, default=Path("bench-results"), help="where results and plots go")
+    parser.add_argument("--suite", type=Path, default=None, help="the bench/ directory (default: found)")
+    parser.add_argument("--timeout", type=float, default=3 * 3600, help="seconds the whole run may take")
+    parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: extra pytest arguments")
+
+
+def find_suite(given: Path | None) -> Path:
+    """The bench/ directory: `given`, ./bench, or the one beside the package's source tree."""
+    candidates = [given] if given is not None else [Path.cwd() / "bench", Path(__file__).resolve().parent.parent / "bench"]
+    for candidate in candidates:
+        if candidate is not None and (candidate / "conftest.py").is_file() and (candidate / "test_sweep.py").is_file():
+            return candidate.resolve()
+    where = ", ".join(str(c) for c in candidates)
+    raise FileNotFoundError(
+        f"no benchmark suite found (looked in {where}); run from a clone of the repository or pass --suite DIR"
+    )
+
+
+def missing_packages() -> list[str]:
+    missing = []
+    for module, package in (("pytest_benchmark", "pytest-benchmark"), ("matplotlib", "matplotlib")):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(package)
+    return missing
+
+
+def run_suite(suite: Path, output: Path, quick: bool, extra: list[str], timeout: float) -> int:
+    """Run pytest on the suite with its progress on this terminal; returns pytest's exit status."""
+    command = [
+        sys.executable, "-m", "pytest", str(suite if not quick else suite / "test_sweep.py"), "-v",
+        f"--bench-json={output / 'results.json'}", f"--benchmark-json={output / 'pytest-benchmark.json'}",
+    ]  # fmt: skip
+    if quick:
+        command.append("--bench-quick")
+    command += [a for a in extra if a != "--"]
+    print("running:", " ".join(command), flush=True)
+    process = subprocess.Popen(command, cwd=suite.parent)
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=60)
+        print(f"the benchmark suite ran past {timeout:g} s and was stopped", file=sys.stderr)
+        return 124
+    except KeyboardInterrupt:
+        process.wait(timeout=120)  # pytest got the SIGINT too: let it clean up
+        raise
+
+
+def _label(nbytes: int) -> str:
+    return f"{nbytes / GIB:g} GiB" if nbytes >= GIB else f"{nbytes // MIB} MiB"
+
+
+def comparison(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per (phase, size, tensor count): each transport's GiB/s and ours / torch."""
+    cases: dict[tuple[str, int, int], dict[str, float]] = {}
+    errors: dict[tuple[str, int, int], dict[str, str]] = {}
+    for row in rows:
+        key = (row["phase"], int(row["nbytes"]), int(row["tensors"]))
+        cases.setdefault(key, {})
+        if row.get("median_s"):
+            cases[key][row["transport"]] = float(row["median_s"])
+        else:
+            errors.setdefault(key, {})[row["transport"]] = str(row.get("error", "failed"))
+    out = []
+    for (phase, nbytes, tensors), medians in sorted(cases.items(), key=lambda kv: (list(PHASES).index(kv[0][0]), kv[0][1], kv[0][2])):
+        line: dict[str, Any] = {"phase": phase, "nbytes": nbytes, "tensors": tensors}
+        for transport, error in errors.get((phase, nbytes, tensors), {}).items():
+            line[f"{transport}_error"] = error
+        for transport in TRANSPORTS:
+            if transport in medians:
+                line[f"{transport}_ms"] = medians[transport] * 1e3
+                line[f"{transport}_GiB_per_s"] = nbytes / GIB / medians[transport]
+        if "ours" in medians and "torch" in medians:
+            line["speedup"] = medians["torch"] / medians["ours"]
+        out.append(line)
+    return out
+
+
+def format_table(lines: list[dict[str, Any]]) -> str:
+    header = f"{'phase':8s} {'size':>8s} {'tensors':>8s} {'ours ms':>10s} {'GiB/s':>7s} {'torch ms':>10s} {'GiB/s':>7s} {'speed-up':>9s}"
+    text = [header, "-" * len(header)]
+    notes = []
+    for line in lines:
+        notes += [f"  {t} failed at {_label(line['nbytes'])}, {line['tensors']} tensors: {line[f'{t}_error']}"
+                  for t in TRANSPORTS if f"{t}_error" in line]  # fmt: skip
+
+        def cell(key: str, fmt: str, width: int) -> str:
+            if key in line:
+                return format(line[key], fmt).rjust(width)
+            failed = f"{key.split('_')[0]}_error" in line and key.endswith("_ms")
+            return ("failed" if failed else "-").rjust(width)
+
+        text.append(
+            f"{line['phase']:8s} {_label(line['nbytes']):>8s} {line['tensors']:8d} "
+            f"{cell('ours_ms', ',.1f', 10)} {cell('ours_GiB_per_s', '.2f', 7)} "
+            f"{cell('torch_ms', ',.1f', 10)} {cell('torch_GiB_per_s', '.2f', 7)} {cell('speedup', '.1f', 8)}"
+            + ("x" if "speedup" in line else " ")
+        )
+    return "\n".join(text + notes)
+
+
+def plot(results: dict[str, Any], output: Path) -> list[Path]:
+    """Throughput against size and against tensor count, one line per transport and phase."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results.get("rows", [])
+    axes_info = results.get("axes", {})
+    machine = results.get("machine", {})
+    subtitle = f"{machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} cores" + (
+        f", {machine['gpu']}" if machine.get("gpu") else ""
+    )
+    plots = [
+        ("throughput_vs_size.png", "nbytes", "tensors", axes_info.get("size_axis_tensors"), "state size (MiB)", MIB,
+         f"throughput against state size ({axes_info.get('size_axis_tensors')} tensors)"),
+        ("throughput_vs_tensors.png", "tensors", "nbytes", axes_info.get("count_axis_bytes"), "tensors in the state dict", 1,
+         f"throughput against tensor count ({_label(int(axes_info.get('count_axis_bytes') or 0))})"),
+    ]  # fmt: skip
+    written = []
+    for name, x_key, fixed_key, fixed_value, x_label, x_unit, title in plots:
+        fig, panels = plt.subplots(1, len(PHASES), figsize=(11, 4.2), squeeze=False)
+        for panel, (phase, phase_title) in zip(panels[0], PHASES.items()):
+            for transport, label in TRANSPORTS.items():
+                points = sorted(
+                    (r[x_key] / x_unit, r["GiB_per_s"])
+                    for r in rows
+                    if r["phase"] == phase and r["transport"] == transport and r[fixed_key] == fixed_value and r["GiB_per_s"]
+                )
+                if points:
+                    xs, ys = zip(*points)
+                    panel.plot(xs, ys, marker="o", label=label)
+            failed = [f"{TRANSPORTS[r['transport']].split(' ')[0]} fails at {r[x_key] // x_unit:g}: {r['error'].split(':')[0]}"
+                      for r in rows if r["phase"] == phase and r[fixed_key] == fixed_value and r.get("error")]  # fmt: skip
+            if failed:
+                panel.text(0.02, 0.02, "\n".join(failed), transform=panel.transAxes, fontsize=8, color="crimson")
+            panel.set_xscale("log", base=2 if x_key == "tensors" else 4)
+            panel.set_yscale("log")
+            panel.set_xlabel(x_label)
+            panel.set_ylabel("GiB/s (median)")
+            panel.set_title(phase_title, fontsize=10)
+            panel.grid(True, which="both", alpha=0.3)
+            if panel.get_lines():
+                panel.legend(fontsize=8)
+            else:
+                panel.text(0.5, 0.5, "not measured", transform=panel.transAxes, ha="center", color="gray")
+        fig.suptitle(f"{title}\n{subtitle}", fontsize=10)
+        fig.tight_layout()
+        path = output / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def report(output: Path) -> int:
+    """Print the comparison of `output/results.json` and write its plots."""
+    results_path = output / "results.json"
+    try:
+        results = json.loads(results_path.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"no results to report: {results_path}: {exc}", file=sys.stderr)
+        return 1
+    lines = comparison(results.get("rows", []))
+    print()
+    print("ours against torch's transport (medians; speed-up = torch time / ours):")
+    print(format_table(lines))
+    for label, value in results.get("ratios", {}).items():
+        print(f"  {label:62s} {value:7.2f}")
+    (output / "comparison.json").write_text(json.dumps(lines, indent=2))
+    for path in plot(results, output):
+        print(f"wrote {path}")
+    print(f"wrote {results_path}, {output / 'comparison.json'}")
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    missing = missing_packages()
+    if missing:
+        print(f"pyshmckpt bench needs {', '.join(missing)}: pip install 'pyshmckpt[bench]'", file=sys.stderr)
+        return 2
+    try:
+        suite = find_suite(args.suite)
+    except FileNotFoundError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    output = args.output.resolve()
+    output.mkdir(parents=True, exist_ok=True)
+    if not os.access(output, os.W_OK):
+        print(f"cannot write to {output}", file=sys.stderr)
+        return 2
+    try:
+        status = run_suite(suite, output, args.quick, list(args.pytest_args), args.timeout)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    if status != 0:
+        print(f"the benchmark suite failed (pytest exit status {status})", file=sys.stderr)
+        if not (output / "results.json").exists():
+            return status
+    reported = report(output)
+    return status or reported

@@ -1,0 +1,138 @@
+"""Helpers shared by the test modules (imported as ``helpers``; tests/ is on sys.path)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import gc
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import pyshmckpt
+from pyshmckpt import Checkpointer, CheckpointProcessConfig, commit
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = Path(pyshmckpt.__file__).resolve().parent.parent
+SHM = Path("/dev/shm")
+SAVE_TIMEOUT = 60.0  # seconds a single save may take (they take well under a second here)
+
+
+def child_env() -> dict[str, str]:
+    """This environment (the session's segment prefix included), with pyshmckpt and tests/
+    importable by a child interpreter."""
+    env = dict(os.environ)
+    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(REPO_ROOT), str(HERE), *inherited]))
+    return env
+
+
+def proc_state(pid: int) -> str | None:
+    """The /proc state letter of `pid` (R, S, T, Z, ...), None when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return stat[stat.rfind(")") + 2]
+
+
+def pid_running(pid: int) -> bool:
+    return proc_state(pid) not in (None, "Z", "X")
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str, poll: float = 0.01) -> float:
+    """Poll `predicate` until true; returns the seconds it took. Fails the test after `timeout`."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(poll)
+    return time.monotonic() - start
+
+
+def failure_of(future: Future[Any], timeout: float = SAVE_TIMEOUT) -> BaseException:
+    """The exception `future` fails with, waiting at most `timeout` s (never confused with a
+    TimeoutError of the wait itself)."""
+    done, _ = concurrent.futures.wait([future], timeout)
+    assert done, f"the future did not resolve within {timeout}s"
+    exc = future.exception()
+    assert exc is not None, f"the future succeeded ({future.result()!r}) but a failure was expected"
+    return exc
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaNs and -0.0 compared as bits)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(
+        a.detach().contiguous().view(-1).view(torch.uint8),
+        b.detach().contiguous().view(-1).view(torch.uint8),
+    )
+
+
+def names_in(directory: Path) -> list[str]:
+    return [p.name for p in directory.iterdir()]
+
+
+def link_target(link: Path) -> str:
+    """Where a symbolic link points, as written (checkpoints link by name)."""
+    return str(link.readlink())
+
+
+def visible(root: Path) -> list[str]:
+    """Checkpoint names a reader may see: entries not starting with '.', without `latest`."""
+    return sorted(n for n in names_in(root) if not n.startswith(".") and n != commit.LATEST)
+
+
+def hidden(root: Path) -> list[str]:
+    return sorted(n for n in names_in(root) if n.startswith("."))
+
+
+def bounded_config(**overrides: Any) -> CheckpointProcessConfig:
+    """Writer settings with every wait bounded well below the test timeout."""
+    settings: dict[str, Any] = {
+        "subprocess_init_timeout_secs": 60,
+        "subprocess_shutdown_timeout_secs": 15,
+        "write_timeout_secs": 120,
+    }
+    settings.update(overrides)
+    return CheckpointProcessConfig(**settings)
+
+
+@contextlib.contextmanager
+def opened(root: Path | str, **kwargs: Any) -> Iterator[Checkpointer]:
+    """A Checkpointer with bounded writer settings, closed on exit."""
+    kwargs.setdefault("config", bounded_config())
+    ck = Checkpointer(root, **kwargs)
+    try:
+        yield ck
+    finally:
+        ck.close()
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str = "2m") -> Iterator[Path]:
+    """Mount a tmpfs of `size` at `path` (skips the test where mounting is not allowed)."""
+    path.mkdir()
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot mount a tmpfs: {exc}")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        gc.collect()  # loaded tensors map files of this file system
+        if subprocess.run(["umount", str(path)], capture_output=True, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)

@@ -1,0 +1,77 @@
+"""`pyshmckpt bench`: the comparison table, the plots, and one small run of the real suite."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyshmckpt import bench_runner
+from helpers import HERE, child_env
+
+SUITE = HERE.parent / "bench"
+MIB = 1 << 20
+RUN_TIMEOUT = 300
+
+
+def rows() -> list[dict]:
+    out = []
+    for nbytes, tensors, ours, torch_s in [(64 * MIB, 256, 0.01, 0.1), (256 * MIB, 256, 0.03, 0.2), (64 * MIB, 16, 0.004, 0.09)]:
+        for transport, median in (("ours", ours), ("torch", torch_s)):
+            out.append({"phase": "e2e", "transport": transport, "nbytes": nbytes, "tensors": tensors,
+                        "median_s": median, "GiB_per_s": nbytes / 2**30 / median})  # fmt: skip
+    out.append({"phase": "e2e", "transport": "ours", "nbytes": 64 * MIB, "tensors": 16384, "median_s": 0.2,
+                "GiB_per_s": 0.31})  # fmt: skip
+    out.append({"phase": "e2e", "transport": "torch", "nbytes": 64 * MIB, "tensors": 16384, "median_s": None,
+                "GiB_per_s": None, "error": "EMFILE: too many descriptors"})  # fmt: skip
+    return out
+
+
+def test_comparison_pairs_the_transports_and_computes_the_speed_up():
+    lines = bench_runner.comparison(rows())
+    by_case = {(line["nbytes"], line["tensors"]): line for line in lines}
+    assert by_case[(64 * MIB, 256)]["speedup"] == pytest.approx(10.0)
+    assert by_case[(64 * MIB, 256)]["ours_GiB_per_s"] == pytest.approx(6.25)
+    failed = by_case[(64 * MIB, 16384)]
+    assert "speedup" not in failed and failed["torch_error"].startswith("EMFILE")
+    table = bench_runner.format_table(lines)
+    assert "10.0x" in table and "failed" in table and "torch failed at 64 MiB, 16384 tensors: EMFILE" in table
+    assert [line["tensors"] for line in lines if line["nbytes"] == 64 * MIB] == [16, 256, 16384]
+
+
+def test_plots_are_written_as_png(tmp_path):
+    results = {"rows": rows(), "axes": {"size_axis_tensors": 256, "count_axis_bytes": 64 * MIB}, "machine": {"cpu": "x"}}
+    written = bench_runner.plot(results, tmp_path)
+    assert [p.name for p in written] == ["throughput_vs_size.png", "throughput_vs_tensors.png"]
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_a_missing_suite_is_a_clear_error(tmp_path, capsys):
+    args = argparse.Namespace(quick=True, output=tmp_path / "out", suite=tmp_path, timeout=10.0, pytest_args=[])
+    assert bench_runner.main(args) == 2
+    assert "no benchmark suite found" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (SUITE / "test_sweep.py").exists(), reason="needs the repository's bench/ directory")
+def test_quick_run_of_a_slice_of_the_suite_reports_and_plots(tmp_path):
+    env = child_env()
+    env.pop("PYTHONOPTIMIZE", None)  # the suite asserts its own set-up; run it as users do
+    done = subprocess.run(
+        [sys.executable, "-m", "pyshmckpt", "bench", "--quick", "--suite", str(SUITE), "--output", str(tmp_path / "out"),
+         "--", "-k", "64MiB-256t"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "test_sweep[e2e-64MiB-256t-torch] PASSED" in done.stdout  # pytest's progress lines
+    assert "speed-up" in done.stdout
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    measured = {(r["phase"], r["transport"]) for r in results["rows"]}
+    assert measured == {("staging", "ours"), ("staging", "torch"), ("e2e", "ours"), ("e2e", "torch")}
+    assert all(r["GiB_per_s"] > 0 and r["nbytes"] == 64 * MIB for r in results["rows"])
+    for name in ("throughput_vs_size.png", "throughput_vs_tensors.png", "pytest-benchmark.json", "comparison.json"):
+        assert (tmp_path / "out" / name).stat().st_size > 0, name

@@ -1,0 +1,176 @@
+"""Checkpoints written by several ranks together: one directory, committed once every rank's
+files are durable, failing on every rank when any rank fails.
+
+The ranks are Checkpointers in this process (rank=, world_size=), each with its own stager and
+writer subprocess, sharing a root as ranks on different hosts share a network filesystem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import pyshmckpt
+from pyshmckpt import Checkpointer, CommitError, cli
+from pyshmckpt.file_writer import file_names
+from helpers import (
+    SAVE_TIMEOUT,
+    failure_of,
+    hidden,
+    link_target,
+    names_in,
+    opened,
+    same_bytes,
+    small_tmpfs,
+    visible,
+    wait_until,
+)
+
+
+@contextlib.contextmanager
+def ranks(root: Path, world_size: int, **kwargs: Any) -> Iterator[list[Checkpointer]]:
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(opened(root, rank=r, world_size=world_size, **kwargs)) for r in range(world_size)]
+
+
+def rank_state(rank: int, step: int, numel: int = 1000) -> dict[str, Any]:
+    return {
+        "model": {"w": torch.full((numel,), float(rank * 100 + step)), "rank_id": torch.tensor([rank])},
+        "step": step,
+        "rank": rank,
+    }
+
+
+def test_every_rank_writes_its_files_into_one_committed_checkpoint(tmp_path):
+    with ranks(tmp_path, 3) as cks:
+        futures = [ck.save(rank_state(r, 1), name="step-1") for r, ck in enumerate(cks)]
+        paths = [f.result(timeout=SAVE_TIMEOUT) for f in futures]
+        assert paths == [tmp_path / "step-1"] * 3
+        checkpoint = paths[0]
+        record = json.loads((checkpoint / "commit.json").read_text())
+        assert record["world_size"] == 3
+        expected = {"commit.json"} | {name for r in range(3) for name in file_names(r)}
+        assert {p.name for p in checkpoint.iterdir()} == expected  # no markers left behind
+        assert visible(tmp_path) == ["step-1"] and hidden(tmp_path) == []
+        assert link_target(tmp_path / "latest") == "step-1"
+        for r in range(3):
+            loaded = pyshmckpt.load(checkpoint, rank=r)
+            assert same_bytes(loaded["model"]["w"], rank_state(r, 1)["model"]["w"])
+            assert loaded["rank"] == r and loaded["step"] == 1
+            assert json.loads((checkpoint / f"rank{r}.json").read_text())["world_size"] == 3
+        assert pyshmckpt.reader.ranks(checkpoint) == [0, 1, 2]
+        assert all(ck.latest() == checkpoint for ck in cks)
+
+        # Automatic names agree when every rank saves equally often.
+        futures = [ck.save(rank_state(r, 2)) for r, ck in enumerate(cks)]
+        second = {f.result(timeout=SAVE_TIMEOUT) for f in futures}
+        assert len(second) == 1 and second != {checkpoint}
+        assert cks[0].latest() == second.pop()
+
+
+def test_cli_verify_checks_every_rank_and_names_a_corrupt_one(tmp_path, capsys):
+    with ranks(tmp_path, 2) as cks:
+        for f in [ck.save(rank_state(r, 1), name="c") for r, ck in enumerate(cks)]:
+            f.result(timeout=SAVE_TIMEOUT)
+    assert cli.main(["verify", str(tmp_path / "c")]) == 0
+    assert "2 ranks" in capsys.readouterr().out
+    data = tmp_path / "c" / "rank1.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert cli.main(["verify", str(tmp_path / "c")]) == 1
+    assert "rank1.safetensors" in capsys.readouterr().err
+    assert cli.main(["verify", str(tmp_path / "c"), "--rank", "0"]) == 0
+    (tmp_path / "c" / "rank1.json").unlink()
+    with pytest.raises(pyshmckpt.CheckpointCorruptError, match="rank1.json"):
+        pyshmckpt.verify(tmp_path / "c", rank=1)
+
+
+def test_a_rank_that_never_saves_times_the_checkpoint_out_everywhere(tmp_path):
+    with ranks(tmp_path, 3, barrier_timeout=2.0) as cks:
+        first = [ck.save(rank_state(r, 1), name="ok") for r, ck in enumerate(cks)]
+        assert {f.result(timeout=SAVE_TIMEOUT) for f in first} == {tmp_path / "ok"}
+
+        zero = cks[0].save(rank_state(0, 2), name="partial")
+        two = cks[2].save(rank_state(2, 2), name="partial")  # rank 1 does not save
+        exc0 = failure_of(zero)
+        assert "TimeoutError" in f"{type(exc0).__name__} {exc0}" and "[1]" in str(exc0), exc0
+        exc2 = failure_of(two)
+        assert "abandoned" in str(exc2) or "TimeoutError" in f"{type(exc2).__name__} {exc2}", exc2
+        assert visible(tmp_path) == ["ok"]
+        assert hidden(tmp_path) == []
+        assert link_target(tmp_path / "latest") == "ok"
+
+        again = [ck.save(rank_state(r, 3), name="again") for r, ck in enumerate(cks)]
+        assert {f.result(timeout=SAVE_TIMEOUT) for f in again} == {tmp_path / "again"}
+        assert pyshmckpt.load(tmp_path / "again", rank=1)["step"] == 3
+
+
+def test_a_rank_that_runs_out_of_disk_fails_the_save_on_every_rank(tmp_path):
+    with small_tmpfs(tmp_path / "small") as root, ranks(root, 3) as cks:
+        first = [ck.save(rank_state(r, 1), name="fits") for r, ck in enumerate(cks)]
+        assert {f.result(timeout=SAVE_TIMEOUT) for f in first} == {root / "fits"}
+        before = {p.name: p.read_bytes() for p in (root / "fits").iterdir()}
+
+        # Ranks 0 and 2 finish their files first (else rank 1's partial file may fill the disk
+        # under them, and they fail on their own ENOSPC), then rank 1 writes 4 MB on 2 MB.
+        zero, two = (cks[r].save(rank_state(r, 2), name="full") for r in (0, 2))
+        temp = root / ".tmp-full"
+        wait_until(lambda: {".rank0.done", ".rank2.done"} <= set(names_in(temp)) if temp.exists() else False,
+                   SAVE_TIMEOUT, "ranks 0 and 2 to finish their files")  # fmt: skip
+        one = cks[1].save(rank_state(1, 2, numel=1_000_000), name="full")
+        errors = [failure_of(f) for f in (zero, one, two)]
+        assert "No space left" in str(errors[1]) or "Errno 28" in str(errors[1]), errors[1]
+        text0 = f"{type(errors[0]).__name__}: {errors[0]}"
+        assert "CommitError" in text0 and "rank1" in text0, text0
+        assert "abandoned" in str(errors[2]), errors[2]
+        assert visible(root) == ["fits"] and hidden(root) == []
+        assert {p.name: p.read_bytes() for p in (root / "fits").iterdir()} == before
+
+        again = [ck.save(rank_state(r, 3), name="again") for r, ck in enumerate(cks)]
+        assert {f.result(timeout=SAVE_TIMEOUT) for f in again} == {root / "again"}
+
+
+def test_torch_writer_across_ranks_uses_torch_file_names(tmp_path):
+    with ranks(tmp_path, 2, writer="torch") as cks:
+        futures = [ck.save(rank_state(r, 1), name="t") for r, ck in enumerate(cks)]
+        assert {f.result(timeout=SAVE_TIMEOUT) for f in futures} == {tmp_path / "t"}
+    for r in range(2):
+        loaded = torch.load(tmp_path / "t" / f"checkpoint_{r}.pt", weights_only=True)
+        assert loaded["rank"] == r and same_bytes(loaded["model"]["w"], rank_state(r, 1)["model"]["w"])
+
+
+def test_only_rank_zero_removes_leftovers(tmp_path):
+    leftover = tmp_path / ".tmp-step-9"
+    leftover.mkdir()
+    with opened(tmp_path, rank=1, world_size=2):
+        assert leftover.exists(), "rank 1 removed a temporary another rank may be writing"
+    with opened(tmp_path, rank=0, world_size=2):
+        assert not leftover.exists()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"rank": 2, "world_size": 2}, ValueError),
+        ({"rank": -1, "world_size": 2}, ValueError),
+        ({"rank": 0, "world_size": 0}, ValueError),
+        ({"rank": "0", "world_size": 2}, TypeError),
+        ({"rank": 0, "world_size": 2.0}, TypeError),
+        ({"rank": 0, "world_size": 2, "barrier_timeout": 0}, ValueError),
+        ({"rank": 0, "world_size": 2, "writer": "dcp"}, NotImplementedError),
+    ],
+)
+def test_bad_rank_arguments_are_refused_before_any_process_starts(tmp_path, kwargs, error):
+    with pytest.raises(error):
+        Checkpointer(tmp_path, **kwargs)
+
+
+def test_commit_error_is_exported():
+    assert issubclass(CommitError, pyshmckpt.PyshmckptError) and issubclass(CommitError, RuntimeError)
