@@ -128,6 +128,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "checkpoint; 2 lets training stage the next one while one is written)",
     )  # fmt: skip
     run.add_argument(
+        "--direct-io", action=argparse.BooleanOptionalAction, default=True,
+        help="pyshmckpt's writer writes tensor data with O_DIRECT where the filesystem allows it "
+        "(default; --no-direct-io: through the page cache, like torch's writer)",
+    )  # fmt: skip
+    run.add_argument(
         "--output", metavar="DIR", default=None,
         help="directory for the checkpoints (kept; must be empty or not exist). Default: a "
         "temporary directory, removed at the end",
@@ -597,7 +602,7 @@ class Demo:
                     subprocess_shutdown_timeout_secs=SHUTDOWN_TIMEOUT,
                     write_timeout_secs=WRITE_TIMEOUT,
                 ),
-                _writer_init, (), SafetensorsWriter, {},
+                _writer_init, (), SafetensorsWriter, {"direct_io": self.args.direct_io},
             )  # fmt: skip
             self.theirs.stager = DefaultStager(
                 CheckpointStagerConfig(
@@ -824,7 +829,9 @@ class Demo:
             "durable: "
             "until the write's\nfuture resolved (pyshmckpt's includes fsync and the atomic commit; "
             "torch's CheckpointWriter returns after\ntorch.save, without fsync). throughput: state "
-            "bytes / durable time."
+            "bytes / durable time.\npyshmckpt's writer "
+            + ("used O_DIRECT where the filesystem allowed it (--no-direct-io: the page cache)."
+               if self.args.direct_io else "went through the page cache (--no-direct-io).")
         )
         if self.monitor.available:
             base = self.monitor.baseline.get("machine")
