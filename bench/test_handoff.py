@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import make_state, record
-from transports import NoopWriter, PageTouchingWriter, ours_process, torch_process, torch_stager
-
-from pyshmckpt import ShmStager
+from transports import NoopWriter, PageTouchingWriter, ours_process, side
 
 
 @pytest.fixture(scope="module", params=[256, 8192], ids=lambda n: f"{n}tensors")
@@ -29,21 +27,13 @@ def state(request, total_bytes):
     yield request.param, make_state(total_bytes, request.param)
 
 
-def test_ours_with_shm_stager(benchmark, state, total_bytes):
+@pytest.mark.parametrize(("side_name", "median_name", "rounds"), [("ours", "e2e_ours_shm", 5), ("torch", "e2e_torch", 3)])
+def test_stage_handoff_and_writer(benchmark, state, total_bytes, side_name, median_name, rounds):
     count, sd = state
     benchmark.group = f"stage + handoff + persist: {count} tensors"
-    cp = ours_process(PageTouchingWriter)
-    stager = ShmStager(capacity_bytes=total_bytes + (8 << 20))
-    try:
-
-        def save() -> None:
-            cp.write(stager.stage(sd), "unused").result()
-
-        benchmark.pedantic(save, rounds=5, warmup_rounds=2)
-    finally:
-        cp.close()
-        stager.close()
-    record(benchmark, f"e2e_ours_shm_{count}", total_bytes)
+    with side(side_name, PageTouchingWriter, total_bytes + (8 << 20)) as (cp, stager):
+        benchmark.pedantic(lambda: cp.write(stager.stage(sd), "unused").result(), rounds=rounds, warmup_rounds=2)
+    record(benchmark, f"{median_name}_{count}", total_bytes)
 
 
 def test_ours_with_plain_state_dict(benchmark, state, total_bytes):
@@ -57,51 +47,22 @@ def test_ours_with_plain_state_dict(benchmark, state, total_bytes):
     record(benchmark, f"e2e_ours_plain_{count}", total_bytes)
 
 
-def test_torch_checkpoint_process(benchmark, state, total_bytes):
-    count, sd = state
-    benchmark.group = f"stage + handoff + persist: {count} tensors"
-    cp = torch_process(PageTouchingWriter)
-    stager = torch_stager()
-    try:
-
-        def save() -> None:
-            cp.write(stager.stage(sd), "unused").result()
-
-        benchmark.pedantic(save, rounds=3, warmup_rounds=1)
-    finally:
-        cp.close()
-        stager.close()
-    record(benchmark, f"e2e_torch_{count}", total_bytes)
-
-
 def test_handoff_alone_ours(benchmark, state, total_bytes):
     count, sd = state
     benchmark.group = f"handoff alone: {count} tensors"
-    cp = ours_process(NoopWriter)
-    stager = ShmStager(capacity_bytes=total_bytes + (8 << 20))
-    try:
+    with side("ours", NoopWriter, total_bytes + (8 << 20)) as (cp, stager):
 
         def setup():
-            return (stager.stage(sd),), {}
+            return (stager.stage(sd),), {}  # a fresh staged dict per round, staged untimed
 
         benchmark.pedantic(lambda staged: cp.write(staged, "unused").result(), setup=setup, rounds=20, warmup_rounds=2)
-    finally:
-        cp.close()
-        stager.close()
     record(benchmark, f"handoff_ours_{count}", total_bytes)
 
 
 def test_handoff_alone_torch(benchmark, state, total_bytes):
     count, sd = state
     benchmark.group = f"handoff alone: {count} tensors"
-    cp = torch_process(NoopWriter)
-    stager = torch_stager()
-    try:
+    with side("torch", NoopWriter, total_bytes) as (cp, stager):
         staged = stager.stage(sd)
         benchmark.pedantic(lambda: cp.write(staged, "unused").result(), rounds=3, warmup_rounds=1)
-    finally:
-        cp.close()
-        stager.close()
     record(benchmark, f"handoff_torch_{count}", total_bytes)
-
-

@@ -30,6 +30,7 @@ import torch
 from conftest import GIB, MEDIANS, make_state
 
 import pyshmckpt
+from pyshmckpt.commit import fsync_path
 
 ROUNDS = 7
 
@@ -40,14 +41,6 @@ def target_dir(request, tmp_path_factory) -> Path:
     path = Path(chosen) if chosen else tmp_path_factory.mktemp("persist")
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def test_persist_against_dd_and_torch_save(benchmark, target_dir, total_bytes):
@@ -82,7 +75,7 @@ def test_persist_against_dd_and_torch_save(benchmark, target_dir, total_bytes):
         out = target_dir / "torch.pt"
         started = time.perf_counter()
         torch.save(state, out)
-        _fsync(out)
+        fsync_path(out)
         times["persist_torch_save"].append(time.perf_counter() - started)
         out.unlink()
 

@@ -18,14 +18,16 @@ the rows of ``--bench-json``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import resource
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 from conftest import MIB, ROWS, add_row, sweep_cases
-from transports import PageTouchingWriter, ours_process, torch_process, torch_stager
+from transports import PageTouchingWriter, side, torch_stager
 
 from pyshmckpt import ShmStager
 
@@ -50,29 +52,21 @@ def state_for(nbytes: int, count: int) -> dict[str, torch.Tensor]:
     return _STATE[key]
 
 
-def _staging(case: Any) -> tuple[Any, Any]:
+@contextlib.contextmanager
+def _staging(case: Any) -> Iterator[Callable[[], Any]]:
     sd = state_for(case.nbytes, case.tensors)
-    if case.transport == "ours":
-        stager = ShmStager(capacity_bytes=case.nbytes + (8 << 20))
-        return (lambda: stager.stage(sd)), stager.close
-    stager = torch_stager()
-    return (lambda: stager.stage(sd)), stager.close
+    stager = ShmStager(capacity_bytes=case.nbytes + (8 << 20)) if case.transport == "ours" else torch_stager()
+    try:
+        yield lambda: stager.stage(sd)
+    finally:
+        stager.close()
 
 
-def _e2e(case: Any) -> tuple[Any, Any]:
+@contextlib.contextmanager
+def _e2e(case: Any) -> Iterator[Callable[[], Any]]:
     sd = state_for(case.nbytes, case.tensors)
-    if case.transport == "ours":
-        cp, stager = ours_process(PageTouchingWriter), ShmStager(capacity_bytes=case.nbytes + (8 << 20))
-    else:
-        cp, stager = torch_process(PageTouchingWriter), torch_stager()
-
-    def close() -> None:
-        try:
-            cp.close()
-        finally:
-            stager.close()
-
-    return (lambda: cp.write(stager.stage(sd), "unused").result()), close
+    with side(case.transport, PageTouchingWriter, case.nbytes + (8 << 20)) as (cp, stager):
+        yield lambda: cp.write(stager.stage(sd), "unused").result()
 
 
 def test_sweep(benchmark, case):
@@ -85,9 +79,6 @@ def test_sweep(benchmark, case):
                      "tensors": case.tensors, "median_s": None, "GiB_per_s": None, "error": reason})  # fmt: skip
         pytest.skip(f"torch's pipe transport fails here: {reason}")
     benchmark.group = f"{case.phase}: {case.nbytes // MIB} MiB, {case.tensors} tensors"
-    run, close = (_staging if case.phase == "staging" else _e2e)(case)
-    try:
+    with (_staging if case.phase == "staging" else _e2e)(case) as run:
         benchmark.pedantic(run, rounds=case.rounds, warmup_rounds=1)
-    finally:
-        close()
     add_row(benchmark, phase=case.phase, transport=case.transport, nbytes=case.nbytes, tensors=case.tensors)

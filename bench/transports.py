@@ -13,12 +13,14 @@ nothing (the handoff alone).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 from torch.distributed.checkpoint._experimental.types import RankInfo
 
-from pyshmckpt import CheckpointProcess, CheckpointProcessConfig
+from pyshmckpt import CheckpointProcess, CheckpointProcessConfig, ShmStager
 
 RANK = RankInfo(global_rank=0, global_world_size=1)
 PAGE = 4096
@@ -85,3 +87,19 @@ def torch_stager() -> Any:
             use_non_blocking_copy=False,
         )
     )
+
+
+@contextlib.contextmanager
+def side(name: str, writer: type, capacity_bytes: int) -> Iterator[tuple[Any, Any]]:
+    """(writer process, stager) of one transport ("ours" or "torch"), both closed on exit."""
+    if name == "ours":
+        cp, stager = ours_process(writer), ShmStager(capacity_bytes=capacity_bytes)
+    else:
+        cp, stager = torch_process(writer), torch_stager()
+    try:
+        yield cp, stager
+    finally:
+        try:
+            cp.close()
+        finally:
+            stager.close()

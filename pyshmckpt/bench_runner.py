@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=Path, default=Path("bench-results"), help="where results and plots go")
     parser.add_argument("--suite", type=Path, default=None, help="the bench/ directory (default: found)")
     parser.add_argument("--timeout", type=float, default=3 * 3600, help="seconds the whole run may take")
+    parser.add_argument("--report-only", action="store_true", help="only print the table and plot DIR/results.json again")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: extra pytest arguments")
 
 
@@ -164,8 +165,13 @@ def plot(results: dict[str, Any], output: Path) -> list[Path]:
             failed = [f"{TRANSPORTS[r['transport']].split(' ')[0]} fails at {r[x_key] // x_unit:g}: {r['error'].split(':')[0]}"
                       for r in rows if r["phase"] == phase and r[fixed_key] == fixed_value and r.get("error")]  # fmt: skip
             if failed:
-                panel.text(0.02, 0.02, "\n".join(failed), transform=panel.transAxes, fontsize=8, color="crimson")
+                panel.text(0.98, 0.98, "\n".join(failed), transform=panel.transAxes, fontsize=8, color="crimson",
+                           ha="right", va="top")  # fmt: skip
             panel.set_xscale("log", base=2 if x_key == "tensors" else 4)
+            ticks = sorted({x for line in panel.get_lines() for x in line.get_xdata()})
+            if ticks:
+                panel.set_xticks(ticks, [f"{t:,.0f}" for t in ticks])
+                panel.minorticks_off()
             panel.set_yscale("log")
             panel.set_xlabel(x_label)
             panel.set_ylabel("GiB/s (median)")
@@ -207,9 +213,13 @@ def report(output: Path) -> int:
 
 def main(args: argparse.Namespace) -> int:
     missing = missing_packages()
+    if args.report_only:
+        missing = [m for m in missing if m == "matplotlib"]
     if missing:
         print(f"pyshmckpt bench needs {', '.join(missing)}: pip install 'pyshmckpt[bench]'", file=sys.stderr)
         return 2
+    if args.report_only:
+        return report(args.output.resolve())
     try:
         suite = find_suite(args.suite)
     except FileNotFoundError as exc:

@@ -52,9 +52,24 @@ def test_plots_are_written_as_png(tmp_path):
 
 
 def test_a_missing_suite_is_a_clear_error(tmp_path, capsys):
-    args = argparse.Namespace(quick=True, output=tmp_path / "out", suite=tmp_path, timeout=10.0, pytest_args=[])
+    args = argparse.Namespace(quick=True, output=tmp_path / "out", suite=tmp_path, timeout=10.0, pytest_args=[],
+                              report_only=False)  # fmt: skip
     assert bench_runner.main(args) == 2
     assert "no benchmark suite found" in capsys.readouterr().err
+
+
+def test_report_only_reads_results_again(tmp_path, capsys):
+    results = {"rows": rows(), "axes": {"size_axis_tensors": 256, "count_axis_bytes": 64 * MIB}, "ratios": {"r": 2.5}}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    args = argparse.Namespace(output=tmp_path, report_only=True)
+    assert bench_runner.main(args) == 0
+    out = capsys.readouterr().out
+    assert "10.0x" in out and "2.50" in out
+    assert (tmp_path / "throughput_vs_size.png").exists() and (tmp_path / "comparison.json").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert bench_runner.main(argparse.Namespace(output=empty, report_only=True)) == 1
+    assert "no results to report" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not (SUITE / "test_sweep.py").exists(), reason="needs the repository's bench/ directory")
