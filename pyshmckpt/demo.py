@@ -18,37 +18,45 @@ unlinked at once and never shows in /dev/shm; and, as a cross-check that other p
 disturb, ``RssShmem:`` of the training process). Finally the last checkpoint of each transport is
 restored into a fresh model and optimizer, compared bit for bit with the state that was saved,
 and one more training step from it must reproduce the uninterrupted run's step exactly.
+
+This module is the command: its flags, the run and its report. The shared-memory gauges are in
+shm_usage, the snapshot and bitwise comparison of restored state in demo_checks, the handling of
+SIGINT and SIGTERM in demo_signals.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
+from functools import partial
 from multiprocessing import resource_tracker
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # the writer subprocesses import this module: keep its import cheap
-    import torch
+import torch
 
-    from .gpt import GPT
+from . import commit, gpt
+from .checkpoint_process import CheckpointProcess, CheckpointProcessConfig
+from .cuda import cuda_available
+from .demo_checks import compare, same_bits, snapshot, state_nbytes
+from .demo_signals import Terminated, sigint_blocked, sigint_deferred, sigterm_unwinds, writer_init
+from .file_writer import SafetensorsWriter
+from .reader import load
+from .shm_usage import ShmAccount, ShmemMonitor, on_shmem_filesystem
+from .stager import ShmStager
 
 INIT_TIMEOUT = 120.0  # seconds a writer subprocess may take to start (python + torch import)
 SHUTDOWN_TIMEOUT = 15.0  # seconds a writer subprocess may take to exit when closed
 WRITE_TIMEOUT = 600.0  # seconds one checkpoint may take until durable
-SAMPLE_INTERVAL = 0.002  # seconds between two samples of /proc/meminfo
 LR = 1e-3
 MIB = 1 << 20
 
@@ -171,7 +179,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
             _usage_error(args, f"--output {out} is not a directory")
         if out.is_dir() and any(out.iterdir()):
             _usage_error(args, f"--output {out} is not empty")
-    if args.device == "cuda" and not _cuda_usable():
+    if args.device == "cuda" and not cuda_available():
         _usage_error(
             args,
             "--device cuda: CUDA is not usable here (pyshmckpt needs its CUDA build, a device "
@@ -179,133 +187,9 @@ def _check_arguments(args: argparse.Namespace) -> None:
         )
 
 
-def _cuda_usable() -> bool:
-    """Whether both transports can stage from a GPU here (pyshmckpt's CUDA path included)."""
-    from .cuda import cuda_available
-
-    return cuda_available()
-
-
 # --------------------------------------------------------------------------------------------
-# measurements
+# the run
 # --------------------------------------------------------------------------------------------
-
-
-def _read_kib(path: str, key: bytes) -> int | None:
-    """The ``key: N kB`` line of a /proc file in bytes, or None."""
-    try:
-        data = b"\n" + Path(path).read_bytes()
-    except OSError:
-        return None
-    start = data.find(b"\n" + key + b":")
-    if start < 0:
-        return None
-    start += len(key) + 2
-    fields = data[start : data.find(b"\n", start)].split()
-    try:
-        return int(fields[0]) * (1024 if fields[1:] == [b"kB"] else 1)
-    except (IndexError, ValueError):
-        return None
-
-
-def read_shmem() -> int | None:
-    """Shared memory in use on the whole machine (``Shmem:`` of /proc/meminfo), in bytes."""
-    return _read_kib("/proc/meminfo", b"Shmem")
-
-
-def read_process_shmem() -> int | None:
-    """Shared memory mapped by this process (``RssShmem:`` of /proc/self/status), in bytes."""
-    return _read_kib("/proc/self/status", b"RssShmem")
-
-
-# What the monitor samples. "machine" (Shmem:) counts all shared memory, torch's included, which
-# is unlinked as soon as it is made and so never shows in /dev/shm; other processes on the
-# machine move it too. "trainer" (RssShmem:) counts what this process maps: both transports
-# allocate and map every staged byte here (their writers map the same pages), and nothing else
-# moves it, so it backs the machine-wide figure up on a busy machine.
-GAUGES: dict[str, Callable[[], int | None]] = {"machine": read_shmem, "trainer": read_process_shmem}
-
-
-class ShmemMonitor:
-    """Samples the GAUGES every few ms in a daemon thread and keeps the highest of a window.
-
-    ``begin()`` starts a window and returns the current levels; ``end()`` returns (highest levels
-    seen since begin, current levels). Levels are bytes by gauge name, None where unreadable.
-    """
-
-    def __init__(self, interval: float = SAMPLE_INTERVAL) -> None:
-        self.interval = interval
-        self.baseline = self._read()
-        self.available = any(v is not None for v in self.baseline.values())
-        self._lock = threading.Lock()
-        self._high = dict(self.baseline)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @staticmethod
-    def _read() -> dict[str, int | None]:
-        return {name: read() for name, read in GAUGES.items()}
-
-    def start(self) -> None:
-        if self.available and self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name="pyshmckpt-demo-shmem", daemon=True
-            )
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout=5.0)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._note(self._read())
-
-    def _note(self, levels: dict[str, int | None]) -> None:
-        with self._lock:
-            for name, value in levels.items():
-                high = self._high.get(name)
-                if value is not None:
-                    self._high[name] = value if high is None else max(high, value)
-
-    def begin(self) -> dict[str, int | None]:
-        levels = self._read()
-        with self._lock:
-            self._high = dict(levels)
-        return levels
-
-    def end(self) -> tuple[dict[str, int | None], dict[str, int | None]]:
-        levels = self._read()
-        self._note(levels)
-        with self._lock:
-            return dict(self._high), levels
-
-
-@dataclass
-class ShmAccount:
-    """The shared memory one transport accounts for, by gauge.
-
-    Only the two transports change this run's shared memory, and only one of them is active at a
-    time, so during a transport's checkpoint a gauge moves by what that transport allocates or
-    frees; what it still holds between its checkpoints (ours: its slots; torch: its cached staging
-    storages) is carried over. The peak is the most it held at any moment.
-    """
-
-    held: dict[str, int] = field(default_factory=dict)
-    peak: dict[str, int] = field(default_factory=dict)
-
-    def add_window(
-        self, start: dict[str, int | None], high: dict[str, int | None], end: dict[str, int | None]
-    ) -> None:
-        for name in GAUGES:
-            s, h, e = start.get(name), high.get(name), end.get(name)
-            if s is None or h is None or e is None:
-                continue
-            held = self.held.get(name, 0)
-            self.peak[name] = max(self.peak.get(name, 0), held + h - s)
-            self.held[name] = max(0, held + e - s)
 
 
 @dataclass
@@ -323,184 +207,6 @@ class Transport:
     stager: Any = None
 
 
-def _writer_init(*_: object) -> None:
-    """Runs first in both writer subprocesses: Ctrl-C in a terminal reaches every process of the
-    group, and the demo itself shuts its writers down, so they ignore SIGINT."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
-
-@contextlib.contextmanager
-def _sigint_blocked() -> Iterator[None]:
-    """Block SIGINT in this thread, and so in the threads started meanwhile and the writer
-    subprocesses they spawn (until _writer_init ignores it there). A SIGINT that arrives
-    meanwhile is delivered here when the block ends."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(
-        signal, "pthread_sigmask"
-    ):
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-@contextlib.contextmanager
-def _sigint_deferred() -> Iterator[None]:
-    """Let a Ctrl-C during cleanup wait until the cleanup is done, then raise it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    hits: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: hits.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if hits:
-            raise KeyboardInterrupt
-
-
-# --------------------------------------------------------------------------------------------
-# state helpers
-# --------------------------------------------------------------------------------------------
-
-
-def _tensors(tree: Any) -> Iterator[torch.Tensor]:
-    import torch
-
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for value in tree.values():
-            yield from _tensors(value)
-    elif isinstance(tree, (list, tuple)):
-        for value in tree:
-            yield from _tensors(value)
-
-
-def _nbytes(tree: Any) -> int:
-    """Bytes of the distinct storages under `tree` (a tied weight counts once)."""
-    seen: dict[tuple[str, int], int] = {}
-    for tensor in _tensors(tree):
-        storage = tensor.untyped_storage()
-        seen[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
-    return sum(seen.values())
-
-
-def _snapshot(tree: Any) -> Any:
-    """A CPU copy of `tree` (tensors cloned, containers rebuilt, tied tensors stay tied)."""
-    import copy
-
-    import torch
-
-    clones: dict[tuple[Any, ...], torch.Tensor] = {}
-
-    def copy_of(node: Any) -> Any:
-        if isinstance(node, torch.Tensor):
-            # state_dict() gives each name of a tied weight its own tensor object over the same
-            # memory: one clone for the same view of the same memory keeps them tied.
-            view = (
-                str(node.device), node.untyped_storage().data_ptr(), node.storage_offset(),
-                tuple(node.shape), node.stride(), node.dtype,
-            )  # fmt: skip
-            if view not in clones:
-                clones[view] = node.detach().to("cpu", copy=True)
-            return clones[view]
-        if isinstance(node, dict):
-            out = copy.copy(node)  # keeps the type (OrderedDict) and its attributes
-            for key, value in node.items():
-                out[key] = copy_of(value)
-            return out
-        if isinstance(node, (list, tuple)):
-            return type(node)(copy_of(value) for value in node)
-        return copy.deepcopy(node)
-
-    return copy_of(tree)
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    import torch
-
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    a = a.detach().to("cpu").contiguous().reshape(-1)
-    b = b.detach().to("cpu").contiguous().reshape(-1)
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
-@dataclass
-class Comparison:
-    """What _compare found: equal tensors (and their distinct bytes), tied tensors that are
-    still one tensor, other equal leaves, and every difference."""
-
-    tensors: int = 0
-    nbytes: int = 0  # of distinct tensors (a tied weight counts once)
-    tied: int = 0
-    others: int = 0
-    mismatches: list[str] = field(default_factory=list)
-    first: dict[int, tuple[str, int]] = field(default_factory=dict)  # id -> (path, restored ptr)
-
-
-def _compare(
-    expected: Any, actual: Any, path: str = "state", result: Comparison | None = None
-) -> Comparison:
-    """Compare two state trees: every tensor bit for bit, every other leaf with ==."""
-    import torch
-
-    result = Comparison() if result is None else result
-    if isinstance(expected, torch.Tensor):
-        if not isinstance(actual, torch.Tensor):
-            result.mismatches.append(
-                f"{path}: a tensor was saved, {type(actual).__name__} came back"
-            )
-        elif not _same_bits(expected, actual):
-            result.mismatches.append(
-                f"{path}: saved {expected.dtype} {tuple(expected.shape)}, "
-                f"restored {actual.dtype} {tuple(actual.shape)} with different bits"
-            )
-        else:
-            result.tensors += 1
-            first = result.first.get(id(expected))
-            if first is None:
-                result.first[id(expected)] = (path, actual.data_ptr())
-                result.nbytes += expected.nbytes
-            elif first[1] == actual.data_ptr():
-                result.tied += 1
-            else:
-                result.mismatches.append(
-                    f"{path} is {first[0]} (tied) in the saved state, a separate copy restored"
-                )
-    elif isinstance(expected, dict):
-        if not isinstance(actual, dict) or set(expected) != set(actual):
-            got = sorted(map(repr, actual)) if isinstance(actual, dict) else type(actual).__name__
-            result.mismatches.append(
-                f"{path}: keys {sorted(map(repr, expected))} saved, {got} restored"
-            )
-        else:
-            for key, value in expected.items():
-                _compare(value, actual[key], f"{path}[{key!r}]", result)
-    elif isinstance(expected, (list, tuple)):
-        if type(actual) is not type(expected) or len(actual) != len(expected):
-            result.mismatches.append(f"{path}: {expected!r} saved, {actual!r} restored")
-        else:
-            for i, (value, other) in enumerate(zip(expected, actual, strict=True)):
-                _compare(value, other, f"{path}[{i}]", result)
-    elif type(actual) is not type(expected) or actual != expected:
-        result.mismatches.append(f"{path}: {expected!r} saved, {actual!r} restored")
-    else:
-        result.others += 1
-    return result
-
-
-# --------------------------------------------------------------------------------------------
-# the run
-# --------------------------------------------------------------------------------------------
-
-
 def _fmt_bytes(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
@@ -511,34 +217,13 @@ def _fmt_rate(bytes_per_second: float) -> str:
     return f"{bytes_per_second / 1e6:.0f} MB/s"
 
 
-def _fs_type(path: Path) -> str | None:
-    """The filesystem type of the mount holding `path` (from /proc/self/mounts), or None."""
-    try:
-        lines = Path("/proc/self/mounts").read_text().splitlines()
-    except OSError:
-        return None
-    target = str(path.resolve())
-    best, kind = "", None
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        mount = parts[1].replace("\\040", " ")
-        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) >= len(best):
-            best, kind = mount, parts[2]
-    return kind
-
-
 class Demo:
     """One run of the demo; ``close()`` frees every process, segment and temporary file."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        import torch
-
         self.args = args
         if args.device == "auto":
-            self.device = torch.device("cuda" if _cuda_usable() else "cpu")
+            self.device = torch.device("cuda" if cuda_available() else "cpu")
         else:
             self.device = torch.device(args.device)
         self.cuda = self.device.type == "cuda"
@@ -586,23 +271,20 @@ class Demo:
         )
         from torch.distributed.checkpoint._experimental.types import RankInfo
 
-        import pyshmckpt
-        from pyshmckpt.file_writer import SafetensorsWriter
-
         rank = RankInfo(global_rank=0, global_world_size=1)
         # The first process spawned starts multiprocessing's resource tracker, and the thread that
         # starts it unblocks SIGINT when done: start it here, so the writers are spawned blocked.
         resource_tracker.ensure_running()
-        with _sigint_blocked():
-            self.ours.stager = pyshmckpt.ShmStager(slots=self.args.slots, headroom=1.0)
-            self.ours.process = pyshmckpt.CheckpointProcess(
+        with sigint_blocked():
+            self.ours.stager = ShmStager(slots=self.args.slots, headroom=1.0)
+            self.ours.process = CheckpointProcess(
                 rank,
-                pyshmckpt.CheckpointProcessConfig(
+                CheckpointProcessConfig(
                     subprocess_init_timeout_secs=INIT_TIMEOUT,
                     subprocess_shutdown_timeout_secs=SHUTDOWN_TIMEOUT,
                     write_timeout_secs=WRITE_TIMEOUT,
                 ),
-                _writer_init, (), SafetensorsWriter, {"direct_io": self.args.direct_io},
+                writer_init, (), SafetensorsWriter, {"direct_io": self.args.direct_io},
             )  # fmt: skip
             self.theirs.stager = DefaultStager(
                 CheckpointStagerConfig(
@@ -618,7 +300,7 @@ class Demo:
                     subprocess_init_timeout_secs=int(INIT_TIMEOUT),
                     subprocess_shutdown_timeout_secs=int(SHUTDOWN_TIMEOUT),
                 ),
-                _writer_init, (), CheckpointWriter, {"config": CheckpointWriterConfig()},
+                writer_init, (), CheckpointWriter, {"config": CheckpointWriterConfig()},
             )  # fmt: skip
 
     def _wait_ready(self) -> float:
@@ -641,11 +323,7 @@ class Demo:
 
     # -- training -------------------------------------------------------------------------------
 
-    def _model(self, seed: int) -> tuple[GPT, torch.optim.Optimizer]:
-        import torch
-
-        from . import gpt
-
+    def _model(self, seed: int) -> tuple[gpt.GPT, torch.optim.Optimizer]:
         a = self.args
         torch.manual_seed(seed)
         config = gpt.GPTConfig(
@@ -654,9 +332,7 @@ class Demo:
         model = gpt.GPT(config).to(self.device)
         return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
-    def _step(self, model: GPT, optimizer: torch.optim.Optimizer, step: int) -> float:
-        from . import gpt
-
+    def _step(self, model: gpt.GPT, optimizer: torch.optim.Optimizer, step: int) -> float:
         a = self.args
         inputs, targets = gpt.batch(
             step, a.batch_size, a.seq_len, a.vocab, device=self.device, seed=a.seed
@@ -699,8 +375,6 @@ class Demo:
     def _retain(self) -> None:
         """Delete all but the newest --keep checkpoints of each transport (between checkpoints,
         not timed)."""
-        from . import commit
-
         keep = self.args.keep
         commit.retain(self.ours.root, keep)  # ours are committed checkpoints under a root
         for old in self.theirs.paths[:-keep]:
@@ -711,10 +385,6 @@ class Demo:
     # -- the whole run ----------------------------------------------------------------------------
 
     def run(self) -> int:
-        import torch
-
-        from . import gpt
-
         a = self.args
         self._open_output()
         self.monitor.start()
@@ -733,7 +403,7 @@ class Demo:
             f"{params / 1e6:.2f} M parameters, AdamW, on {self.device}",
         )
         _say(f"checkpoints every {a.interval} steps (and at step {a.steps}) into {where}")
-        if _fs_type(self.out) in ("tmpfs", "ramfs"):
+        if on_shmem_filesystem(self.out):
             _say("warning: the output is on tmpfs, where checkpoint files count as shared memory")
         ready = self._wait_ready()
         _say(f"writer processes ready ({ready:.1f} s more after building the model)")
@@ -742,12 +412,10 @@ class Demo:
             "starts, so the two never compete for CPU or disk",
         )
 
-        checkpoint_steps = sorted(
-            {s for s in range(a.interval, a.steps + 1, a.interval)} | {a.steps}
-        )
+        checkpoint_steps = set(range(a.interval, a.steps + 1, a.interval)) | {a.steps}
         width = len(str(a.steps + 1))
         state_bytes = 0
-        snapshot: Any = None
+        saved: Any = None
         started = time.perf_counter()
         for step in range(1, a.steps + 1):
             step_started = time.perf_counter()
@@ -757,7 +425,7 @@ class Demo:
             if step not in checkpoint_steps:
                 continue
             state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}
-            state_bytes = _nbytes(state)
+            state_bytes = state_nbytes(state)
             ours = self._checkpoint(self.ours, state, step)
             theirs = self._checkpoint(self.theirs, state, step)
             _say(
@@ -767,7 +435,7 @@ class Demo:
                 f"torch blocked {theirs[0] * 1e3:.1f} ms, durable {theirs[1] * 1e3:.0f} ms",
             )
             if step == a.steps:
-                snapshot = _snapshot(state)
+                saved = snapshot(state)
             del state
             self._retain()
         elapsed = time.perf_counter() - started
@@ -788,8 +456,8 @@ class Demo:
         )
         ok = True
         for name, path in last.items():
-            ok &= self._check_restore(name, path, snapshot, next_step, next_loss, next_params)
-        del snapshot
+            ok &= self._check_restore(name, path, saved, next_step, next_loss, next_params)
+        del saved
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         _say("all checks passed" if ok else "SOME CHECKS FAILED")
@@ -830,14 +498,17 @@ class Demo:
             "until the write's\nfuture resolved (pyshmckpt's includes fsync and the atomic commit; "
             "torch's CheckpointWriter returns after\ntorch.save, without fsync). throughput: state "
             "bytes / durable time.\npyshmckpt's writer "
-            + ("used O_DIRECT where the filesystem allowed it (--no-direct-io: the page cache)."
-               if self.args.direct_io else "went through the page cache (--no-direct-io).")
+            + (
+                "used O_DIRECT where the filesystem allowed it (--no-direct-io: the page cache)."
+                if self.args.direct_io
+                else "went through the page cache (--no-direct-io)."
+            )
         )
         if self.monitor.available:
             base = self.monitor.baseline.get("machine")
             _say(
                 "peak shm: the most shared memory the transport held at once, from Shmem: in "
-                f"/proc/meminfo sampled every {SAMPLE_INTERVAL * 1e3:.0f} ms\n(machine-wide, "
+                f"/proc/meminfo sampled every {self.monitor.interval * 1e3:.0f} ms\n(machine-wide, "
                 f"{(base or 0) / MIB:.1f} MiB before the run: other processes' use shows in it "
                 "too); "
                 "in trainer: the same from RssShmem\nof this process (shared memory it maps)."
@@ -847,18 +518,14 @@ class Demo:
         self,
         name: str,
         path: Path,
-        snapshot: Any,
+        saved: Any,
         next_step: int,
         next_loss: float,
         next_params: dict[str, torch.Tensor],
     ) -> bool:
-        import torch
-
-        import pyshmckpt
-
         started = time.perf_counter()
         if name == "pyshmckpt":
-            restored = pyshmckpt.load(path)
+            restored = load(path)
             how = "pyshmckpt.load, checksums verified"
         else:
             restored = torch.load(path / "checkpoint_0.pt", map_location="cpu", weights_only=True)
@@ -866,7 +533,7 @@ class Demo:
         took = time.perf_counter() - started
         _say(f"  {name:9s}  {path}  loaded in {took:.2f} s ({how})")
         ok = True
-        compared = _compare(snapshot, restored)
+        compared = compare(saved, restored)
         if compared.mismatches:
             ok = False
             _say(
@@ -878,7 +545,7 @@ class Demo:
         else:
             _say(
                 f"    OK        {compared.tensors} tensors ({_fmt_bytes(compared.nbytes)}) bitwise "
-                f"equal to the state saved at step {snapshot['step']} ({compared.tied} tied still "
+                f"equal to the state saved at step {saved['step']} ({compared.tied} tied still "
                 f"shared), {compared.others} other values equal"
             )
         try:
@@ -891,7 +558,7 @@ class Demo:
             _say(f"    MISMATCH  resuming failed: {type(exc).__name__}: {exc}")
             return False
         params = model.state_dict()
-        differ = [k for k, v in next_params.items() if not _same_bits(v, params[k])]
+        differ = [k for k, v in next_params.items() if not same_bits(v, params[k])]
         same_loss = loss == next_loss
         verdict = "OK      " if same_loss and not differ else "MISMATCH"
         _say(
@@ -910,23 +577,22 @@ class Demo:
         for transport in (self.ours, self.theirs):
             process, transport.process = transport.process, None
             if process is not None:
-                try:
-                    if transport is self.theirs:
-                        _close_torch_process(process, abort)
-                    else:
-                        process.close(abort=abort)
-                except Exception as exc:
-                    self.cleanup_errors.append(
-                        f"closing the {transport.name} writer: {type(exc).__name__}: {exc}"
-                    )
+                close_process = (
+                    partial(_close_torch_process, process, abort)
+                    if transport is self.theirs
+                    else partial(process.close, abort=abort)
+                )
+                self._closing(f"the {transport.name} writer", close_process)
             stager, transport.stager = transport.stager, None
             if stager is not None:
-                try:
-                    stager.close()
-                except Exception as exc:
-                    self.cleanup_errors.append(
-                        f"closing the {transport.name} stager: {type(exc).__name__}: {exc}"
-                    )
+                self._closing(f"the {transport.name} stager", stager.close)
+
+    def _closing(self, what: str, close: Callable[[], object]) -> None:
+        """Run `close`; its error goes to cleanup_errors, so that the rest of the cleanup runs."""
+        try:
+            close()
+        except Exception as exc:
+            self.cleanup_errors.append(f"closing {what}: {type(exc).__name__}: {exc}")
 
     def close(self, abort: bool = False) -> None:
         """Free everything: writers, stagers, the sampler thread, the temporary directory."""
@@ -958,27 +624,6 @@ def _close_torch_process(process: Any, abort: bool) -> None:
         logger.setLevel(level)
 
 
-class _Terminated(BaseException):
-    """SIGTERM arrived: unwind like Ctrl-C, so that everything is cleaned up."""
-
-
-@contextlib.contextmanager
-def _sigterm_unwinds() -> Iterator[None]:
-    """Turn SIGTERM into _Terminated while the demo runs (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise _Terminated
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def main(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit status (0 every check passed, 1 a failure, 130 Ctrl-C,
     143 SIGTERM)."""
@@ -986,19 +631,19 @@ def main(args: argparse.Namespace) -> int:
     demo: Demo | None = None
     status = 1
     try:
-        with _sigterm_unwinds():
+        with sigterm_unwinds():
             demo = Demo(args)
             aborted = True
             try:
                 status = demo.run()
                 aborted = False
             finally:
-                with _sigint_deferred():
+                with sigint_deferred():
                     demo.close(abort=aborted)
     except KeyboardInterrupt:
         _say("\ninterrupted: writers stopped, shared memory freed", file=sys.stderr)
         status = 130
-    except _Terminated:
+    except Terminated:
         _say("\nterminated: writers stopped, shared memory freed", file=sys.stderr)
         status = 143
     except DemoError as exc:
