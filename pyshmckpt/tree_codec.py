@@ -68,7 +68,8 @@ def encode(node: Any, allow_pickle: bool = False) -> Any:
         return {"list": children}
     if kind == layout.TUPLE:
         return {"tuple": children}
-    _, keys, _, func, args, state, *rest = (*node, None)
+    keys = node[1]
+    func, args, state = node[3:6] if kind == layout.REDUCED else (None, None, None)
     if kind == layout.REDUCED and func is collections.OrderedDict and not args and not state:
         return {"odict": [[_encode_leaf(k, allow_pickle), c] for k, c in zip(keys, children)]}
     if kind == layout.REDUCED and func is collections.OrderedDict and not args:
@@ -146,12 +147,18 @@ def decode(value: Any, tensors: list[Any], allow_pickle: bool = False) -> Any:
             raise ValueError(f"tensor index {index!r} out of range")
         return tensors[index]
     if "dict" in value or "odict" in value:
-        pairs = [(_decode_leaf(k, allow_pickle), decode(c, tensors, allow_pickle)) for k, c in value.get("dict", value.get("odict"))]
+        items = value["dict"] if "dict" in value else value["odict"]
+        if not isinstance(items, list):
+            raise ValueError("malformed dict node")
+        pairs = [(_decode_leaf(k, allow_pickle), decode(c, tensors, allow_pickle)) for k, c in items]
         if "dict" in value:
             return dict(pairs)
         out = collections.OrderedDict(pairs)
         if "attrs" in value:
-            out.__dict__.update(_decode_leaf(value["attrs"], allow_pickle) or {})
+            attrs = _decode_leaf(value["attrs"], allow_pickle)
+            if attrs is not None and not isinstance(attrs, dict):
+                raise ValueError("malformed attributes of an OrderedDict")
+            out.__dict__.update(attrs or {})
         return out
     if "list" in value:
         return [decode(c, tensors, allow_pickle) for c in value["list"]]

@@ -67,6 +67,9 @@ CLI_TIMEOUT = 120.0
 # --------------------------------------------------------------------------------------------
 
 
+Pair = collections.namedtuple("Pair", ["weight", "step"])  # importable by the writer subprocess
+
+
 @dataclasses.dataclass
 class Schedule:
     """A user object in a state dict: not plain data, so it needs pickle (importable by the
@@ -395,6 +398,7 @@ def test_allow_pickle_round_trip_needs_allow_pickle_to_load(tmp_path):
         "counts": collections.Counter(a=2, b=1),
         "schedule": Schedule(100, 0.9),
         "d": collections.defaultdict(list, k=[1, 2]),
+        "pair": Pair(torch.ones(3, dtype=torch.int16), 4),
         "step": 9,
     }
     expected = snapshot(state)
@@ -403,10 +407,20 @@ def test_allow_pickle_round_trip_needs_allow_pickle_to_load(tmp_path):
     with pytest.raises(CheckpointCorruptError, match="allow_pickle") as info:
         pyshmckpt.load(path)
     assert info.value.path.endswith("rank0.json")
-    assert pyshmckpt.verify(path) == 1  # checks checksums without unpickling anything
+    assert pyshmckpt.verify(path) == 2  # checks checksums without unpickling anything
     loaded = pyshmckpt.load(path, allow_pickle=True)
     assert_same_tree(expected, loaded)
     assert loaded["d"].default_factory is list
+    assert loaded["pair"].weight.dtype == torch.int16 and loaded["pair"].step == 4
+
+
+def test_a_namedtuple_needs_pickle_and_is_refused_before_staging(tmp_path):
+    """Regression: encoding a namedtuple node raised a bare ValueError (a node of 4 fields was
+    unpacked as one of 6), so the save failed with an unhelpful error, or in the writer."""
+    with opened(tmp_path) as ck:
+        with pytest.raises(UnsupportedValueError, match="container of type Pair.*allow_pickle"):
+            ck.save({"pair": Pair(torch.ones(2), 1)})
+        assert ck._stager.arena is None
 
 
 def test_keep_last_keeps_exactly_the_newest_two(tmp_path):
