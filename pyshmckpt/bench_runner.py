@@ -64,7 +64,9 @@ def run_suite(suite: Path, output: Path, quick: bool, extra: list[str], timeout:
         command.append("--bench-quick")
     command += [a for a in extra if a != "--"]
     print("running:", " ".join(command), flush=True)
-    process = subprocess.Popen(command, cwd=suite.parent)
+    # cwd: the suite itself, never the repository root, whose source tree (python -m puts the
+    # cwd first on sys.path) would shadow the installed, built package.
+    process = subprocess.Popen(command, cwd=suite)
     try:
         return process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
