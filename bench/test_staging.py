@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import record
+from transports import torch_stager
 
 from pyshmckpt import ShmStager
 
@@ -64,25 +65,10 @@ def test_ours_first_stage(benchmark, state, total_bytes):
     record(benchmark, f"ours_first_{count}", total_bytes)
 
 
-def _torch_stager():
-    from torch.distributed.checkpoint._experimental.staging import (
-        CheckpointStagerConfig,
-        DefaultStager,
-    )
-
-    config = CheckpointStagerConfig(
-        use_pinned_memory=torch.cuda.is_available(),
-        use_shared_memory=True,
-        use_async_staging=False,
-        use_non_blocking_copy=torch.cuda.is_available(),
-    )
-    return DefaultStager(config)
-
-
 def test_torch_default_stager_steady_state(benchmark, state, total_bytes):
     count, sd = state
     benchmark.group = f"staging steady state: {count} tensors"
-    stager = _torch_stager()
+    stager = torch_stager()
     try:
         benchmark.pedantic(lambda: stager.stage(sd), rounds=ROUNDS, warmup_rounds=1)
     finally:
@@ -99,7 +85,7 @@ def test_torch_default_stager_first_stage(benchmark, state, total_bytes):
         while stagers:
             stagers.pop().close()
         gc.collect()
-        stagers.append(_torch_stager())
+        stagers.append(torch_stager())
         return (stagers[-1],), {}
 
     try:

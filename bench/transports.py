@@ -73,18 +73,21 @@ def torch_process(writer: type) -> Any:
 
 
 def torch_stager() -> Any:
-    """Torch's DefaultStager as configured for CPU state: shared memory on, synchronous."""
+    """Torch's DefaultStager: shared memory on, synchronous; pinned memory and non-blocking
+    copies only where CUDA is available (as torch recommends for GPU state)."""
+    import torch
     from torch.distributed.checkpoint._experimental.staging import (
         CheckpointStagerConfig,
         DefaultStager,
     )
 
+    cuda = torch.cuda.is_available()
     return DefaultStager(
         CheckpointStagerConfig(
-            use_pinned_memory=False,
+            use_pinned_memory=cuda,
             use_shared_memory=True,
             use_async_staging=False,
-            use_non_blocking_copy=False,
+            use_non_blocking_copy=cuda,
         )
     )
 
