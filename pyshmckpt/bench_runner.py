@@ -24,7 +24,7 @@ TRANSPORTS = {"ours": "pyshmckpt (ShmStager + CheckpointProcess)", "torch": "tor
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="only the sweeps, small sizes, few rounds (about 2 min)")
+    parser.add_argument("--quick", action="store_true", help="only the small end of the sweeps, fewer rounds (about 1 min)")
     parser.add_argument("--output", type=Path, default=Path("bench-results"), help="where results and plots go")
     parser.add_argument("--suite", type=Path, default=None, help="the bench/ directory (default: found)")
     parser.add_argument("--timeout", type=float, default=3 * 3600, help="seconds the whole run may take")
