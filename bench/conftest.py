@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import platform
+import resource
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,34 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--bench-max-gib", type=float, default=None,
         help="sweeps: largest state size (default: a fifth of the available memory)",
     )  # fmt: skip
+
+
+# RLIMIT_NOFILE of this session: the soft limit found at start (initial_soft), the soft limit after
+# raising it (soft) and the hard limit (hard).
+OPEN_FILES: dict[str, int] = {}
+
+
+def raise_open_file_limit() -> dict[str, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit, once, for the whole benchmark session.
+
+    torch's transport needs about two descriptors per tensor (see test_sweep.py); a default soft
+    limit of 1024 would make it fail at sizes it handles under the limit users can set. Returns
+    the limits, also kept in OPEN_FILES for `machine()`.
+    """
+    if not OPEN_FILES:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        OPEN_FILES["initial_soft"] = soft
+        if hard != soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            except (ValueError, OSError):  # e.g. an infinite hard limit the kernel will not grant
+                pass
+        OPEN_FILES["soft"], OPEN_FILES["hard"] = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return OPEN_FILES
+
+
+def pytest_configure(config: pytest.Config) -> None:  # noqa: ARG001
+    raise_open_file_limit()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +132,7 @@ def machine() -> dict[str, Any]:
         pass
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
+    info["rlimit_nofile"] = dict(raise_open_file_limit())  # soft limit the run used, and before
     return info
 
 

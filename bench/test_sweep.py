@@ -69,12 +69,21 @@ def _e2e(case: Any) -> Iterator[Callable[[], Any]]:
         yield lambda: cp.write(stager.stage(sd), "unused").result()
 
 
+# Descriptors the processes hold besides two per tensor (stdio, pipes, libraries, the writer's
+# own); measured at a soft limit of 1024, torch's transport works at 480 tensors and fails at 512.
+FD_MARGIN = 64
+
+
 def test_sweep(benchmark, case):
-    soft_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if case.phase == "e2e" and case.transport == "torch" and 2 * case.tensors + 1024 > soft_limit:
+    soft_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]  # conftest raised it to the hard one
+    needed = 2 * case.tensors + FD_MARGIN
+    if case.phase == "e2e" and case.transport == "torch" and needed > soft_limit:
         # Measured: the pickler dup()s one descriptor per storage while the staged copies keep
         # theirs open, and the child receives one per storage too: EMFILE, the child dies.
-        reason = f"EMFILE: {case.tensors} tensors need about {2 * case.tensors} descriptors (RLIMIT_NOFILE {soft_limit})"
+        reason = (
+            f"EMFILE: {case.tensors} tensors need about {2 * case.tensors} + {FD_MARGIN} "
+            f"descriptors (RLIMIT_NOFILE {soft_limit})"
+        )
         ROWS.append({"phase": case.phase, "transport": case.transport, "nbytes": case.nbytes,
                      "tensors": case.tensors, "median_s": None, "GiB_per_s": None, "error": reason})  # fmt: skip
         pytest.skip(f"torch's pipe transport fails here: {reason}")

@@ -4,7 +4,8 @@ The suite is the pytest-benchmark suite of the repository's ``bench/`` directory
 current directory, beside an editable install, or given with ``--suite``). Its results go to
 ``DIR/results.json`` (our medians, ratios and sweep rows) and ``DIR/pytest-benchmark.json``
 (pytest-benchmark's own record); the plots to ``DIR/throughput_vs_size.png`` and
-``DIR/throughput_vs_tensors.png``, one line per transport.
+``DIR/throughput_vs_tensors.png``, one line per transport. A run first deletes those files of an
+earlier run, so a run that measures nothing reports nothing.
 """
 
 from __future__ import annotations
@@ -54,8 +55,34 @@ def missing_packages() -> list[str]:
     return missing
 
 
+# What a run writes into the output directory: removed before each run, so that a run that
+# produces nothing can never report (or leave beside its own) the figures of an earlier one.
+OUTPUT_FILES = (
+    "results.json", "comparison.json", "pytest-benchmark.json",
+    "throughput_vs_size.png", "throughput_vs_tensors.png",
+)  # fmt: skip
+
+
+def remove_previous_outputs(output: Path) -> None:
+    """Delete the files of an earlier run from `output` (OUTPUT_FILES; nothing else).
+
+    Raises OSError naming the file when one exists but cannot be removed.
+    """
+    for name in OUTPUT_FILES:
+        path = output / name
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            message = f"cannot remove the previous run's {path}: {exc.strerror}"
+            raise OSError(exc.errno, message) from exc
+
+
 def run_suite(suite: Path, output: Path, quick: bool, extra: list[str], timeout: float) -> int:
-    """Run pytest on the suite with its progress on this terminal; returns pytest's exit status."""
+    """Run pytest on the suite with its progress on this terminal; returns pytest's exit status.
+
+    The previous run's results and plots in `output` are deleted first (see OUTPUT_FILES).
+    """
+    remove_previous_outputs(output)
     command = [
         sys.executable, "-m", "pytest", str(suite if not quick else suite / "test_sweep.py"), "-v",
         f"--bench-json={output / 'results.json'}", f"--benchmark-json={output / 'pytest-benchmark.json'}",
@@ -237,6 +264,9 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     if status != 0:
         print(f"the benchmark suite failed (pytest exit status {status})", file=sys.stderr)
         if not (output / "results.json").exists():

@@ -191,7 +191,9 @@ class SafetensorsWriter:
     at a 4 KiB boundary, and its 4 KiB-aligned bulk is written with O_DIRECT (bypassing the page
     cache: no cache pollution, no writeback burst at fsync); the header and the unaligned tail go
     through the page cache. Where the filesystem refuses O_DIRECT (tmpfs, some network
-    filesystems: EINVAL at open or first write), the writer falls back to buffered writes.
+    filesystems: EINVAL or EOPNOTSUPP at open or first write), the writer falls back to buffered
+    writes; a later chunk whose O_DIRECT write is refused or short is completed with a buffered
+    write, so the save still succeeds.
     ``last_direct_bytes`` tells how many bytes the last write sent with O_DIRECT.
     """
 
@@ -283,45 +285,78 @@ def _pwrite_all(fd: int, data: memoryview, position: int) -> None:
         data, position = data[written:], position + written
 
 
+# errnos with which a filesystem refuses O_DIRECT (at open or at a write): tmpfs, some network and
+# FUSE filesystems. The writer then writes those bytes through the page cache instead.
+_DIRECT_REFUSED = frozenset({errno.EINVAL, errno.EOPNOTSUPP})
+
+
 def _write_direct(path: Path, fd: int, header: memoryview, data: memoryview) -> int:
     """Write header + data to the new file `fd`: the header and the unaligned tail through the
     page cache, the aligned bulk with O_DIRECT from the caller's (page-aligned) memory.
-    Returns the bytes written with O_DIRECT (0 when the filesystem refused it)."""
+
+    Returns the bytes written with O_DIRECT: 0 when the filesystem refused O_DIRECT at open or at
+    the first write (everything then goes through `fd`), less than the bulk when some chunks
+    were written partly or wholly through `fd` (see `_pwrite_chunks`).
+    """
     start = len(header)  # a multiple of DIRECT_IO_BLOCK
     _pwrite_all(fd, header, 0)
     bulk = len(data) - len(data) % DIRECT_IO_BLOCK
-    direct = 0
+    covered = direct = 0  # bytes of data written by _pwrite_chunks; of those, with O_DIRECT
     if bulk:
         try:
             dfd = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
         except OSError as exc:
-            if exc.errno != errno.EINVAL:
+            if exc.errno not in _DIRECT_REFUSED:
                 raise
             dfd = -1
         if dfd >= 0:
             try:
-                direct = _pwrite_chunks(dfd, data[:bulk], start)
+                written = _pwrite_chunks(dfd, fd, data[:bulk], start)
             finally:
                 os.close(dfd)
-    _pwrite_all(fd, data[direct:], start + direct)
+            if written is not None:
+                covered, direct = bulk, written
+    _pwrite_all(fd, data[covered:], start + covered)
     return direct
 
 
-def _pwrite_chunks(dfd: int, data: memoryview, start: int) -> int:
-    """O_DIRECT pwrites of DIRECT_IO_CHUNK bytes, a few in flight; returns the bytes written
-    (0 if the filesystem refuses O_DIRECT writes: EINVAL on the first chunk)."""
+def _pwrite_chunks(dfd: int, fd: int, data: memoryview, start: int) -> int | None:
+    """Write `data` at file offset `start` in DIRECT_IO_CHUNK pieces, a few in flight, with the
+    O_DIRECT descriptor `dfd`; returns the bytes that went with O_DIRECT.
+
+    Returns None, with nothing written, when the filesystem refuses the first O_DIRECT write
+    (EINVAL, EOPNOTSUPP). After that, a chunk whose O_DIRECT write is refused or short has the
+    rest written through the buffered descriptor `fd`, so the save does not fail for it.
+    """
     chunks = [(pos, data[pos : pos + DIRECT_IO_CHUNK]) for pos in range(0, len(data), DIRECT_IO_CHUNK)]
     first_pos, first = chunks[0]
     try:
-        _pwrite_all(dfd, first, start + first_pos)
+        direct = os.pwrite(dfd, first, start + first_pos)
     except OSError as exc:
-        if exc.errno != errno.EINVAL:
+        if exc.errno not in _DIRECT_REFUSED:
             raise
-        return 0
+        return None
+    _pwrite_all(fd, first[direct:], start + first_pos + direct)
     with ThreadPoolExecutor(max_workers=DIRECT_IO_THREADS, thread_name_prefix="pyshmckpt-dio") as pool:
-        for done in [pool.submit(_pwrite_all, dfd, chunk, start + pos) for pos, chunk in chunks[1:]]:
-            done.result()
-    return len(data)
+        futures = [
+            pool.submit(_pwrite_chunk, dfd, fd, chunk, start + pos) for pos, chunk in chunks[1:]
+        ]
+        for done in futures:
+            direct += done.result()
+    return direct
+
+
+def _pwrite_chunk(dfd: int, fd: int, chunk: memoryview, position: int) -> int:
+    """One O_DIRECT pwrite of `chunk` at `position`; what it leaves (a short write, or all of it
+    when O_DIRECT is refused) goes through `fd`. Returns the bytes written with O_DIRECT."""
+    try:
+        direct = os.pwrite(dfd, chunk, position)
+    except OSError as exc:
+        if exc.errno not in _DIRECT_REFUSED:
+            raise
+        direct = 0
+    _pwrite_all(fd, chunk[direct:], position + direct)
+    return direct
 
 
 __all__ = ["SafetensorsWriter", "file_names", "plan_file"]

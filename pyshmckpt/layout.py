@@ -3,8 +3,10 @@
 `plan()` walks dict/list/tuple containers, validates every tensor, groups tensors that share a
 storage and assigns each storage one aligned block of the slot. The result is a `Manifest` (what
 crosses to the writer: structure, leaves, per-tensor dtype/shape/stride/offset) plus the copy
-entries that fill the slot. `rebuild()` turns a manifest and a storage back into the same
-structure, with tensors that share a source storage again sharing one block.
+entries that fill the slot, alignment gaps between blocks included (zeroed, so no byte of an
+earlier stage survives in the part of the slot a writer may read). `rebuild()` turns a manifest
+and a storage back into the same structure, with tensors that share a source storage again sharing
+one block.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import copy
 import dataclasses
 import functools
 import hashlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -167,11 +170,14 @@ class StagingPlan:
     """A manifest plus what fills the slot: byte copies and gathers of non-dense tensors.
 
     Offsets in `host` and `device` entries are relative to the slot start. The plan holds the
-    source tensors, so their memory stays alive while the plan does.
+    source tensors, so their memory stays alive while the plan does. Together the entries write
+    every byte of the slot's first ``manifest.size`` bytes exactly once: `host` holds one row per
+    CPU block that is not gathered, followed by rows that copy zeros (from a buffer that lives as
+    long as the process) into the alignment gaps between blocks, whatever the blocks' devices.
     """
 
     manifest: Manifest
-    host: np.ndarray  # (n, 3) uint64: source address, offset in slot, nbytes
+    host: np.ndarray  # (n, 3) uint64: source address, offset in slot, nbytes (blocks, then gaps)
     device: dict[int, np.ndarray]  # CUDA device index -> (n, 3) entries as above
     gathers: list[tuple[int, torch.Tensor]]  # (tensor index, source) copied by torch
     sources: list[torch.Tensor]
@@ -422,7 +428,12 @@ def plan(state_dict: Any) -> StagingPlan:
         axis=1,
     )[raw] if m else np.empty((0, 3), dtype=np.uint64)
     block_device = device[first_member][raw]
-    host = np.ascontiguousarray(rows[block_device < 0])
+    # Zero the alignment gap after every block but the last (whose padding lies past
+    # manifest.size): the slot must not keep bytes of an earlier stage there, as they would reach
+    # checkpoint files that mirror the slot. The gaps are host copies from a zero buffer whatever
+    # the blocks' devices are.
+    gaps = _gap_rows(block_offset, block_bytes, padded, align)
+    host = np.concatenate([rows[block_device < 0], gaps])
     devices = {
         int(d): np.ascontiguousarray(rows[block_device == d]) for d in np.unique(block_device[block_device >= 0])
     }
@@ -442,6 +453,41 @@ def plan(state_dict: Any) -> StagingPlan:
         size=size,
     )
     return StagingPlan(manifest=manifest, host=host, device=devices, gathers=gathers, sources=tensors)
+
+
+# Zero bytes that gap-filling host copies read from. A plan holds only the address, so buffers are
+# never freed: a larger alignment adds a larger one and the older ones stay alive.
+_ZERO_BUFFERS: list[np.ndarray] = []
+_ZERO_LOCK = threading.Lock()
+_ZERO_MIN_BYTES = 4096
+
+
+def _zeros_address(nbytes: int) -> int:
+    """Address of at least `nbytes` read-only zero bytes that live as long as the process."""
+    with _ZERO_LOCK:
+        if not _ZERO_BUFFERS or len(_ZERO_BUFFERS[-1]) < nbytes:
+            zeros = np.zeros(max(nbytes, _ZERO_MIN_BYTES), dtype=np.uint8)
+            zeros.flags.writeable = False
+            _ZERO_BUFFERS.append(zeros)
+        return int(_ZERO_BUFFERS[-1].ctypes.data)
+
+
+def _gap_rows(
+    block_offset: np.ndarray, block_bytes: np.ndarray, padded: np.ndarray, align: int
+) -> np.ndarray:
+    """Host copy rows (source, slot offset, nbytes) that zero the gaps between consecutive blocks.
+
+    Each gap is shorter than `align` bytes; the one after the last block is left out.
+    """
+    gap = (padded - block_bytes)[:-1]
+    has_gap = gap > 0
+    count = int(np.count_nonzero(has_gap))
+    out = np.empty((count, 3), dtype=np.uint64)
+    if count:
+        out[:, 0] = _zeros_address(align)
+        out[:, 1] = (block_offset[:-1] + block_bytes[:-1])[has_gap]
+        out[:, 2] = gap[has_gap]
+    return out
 
 
 def _entry_array(rows: list[tuple[int, int, int]]) -> np.ndarray:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -76,17 +77,86 @@ def test_report_only_reads_results_again(tmp_path, capsys):
 def test_quick_run_of_a_slice_of_the_suite_reports_and_plots(tmp_path):
     env = child_env()
     env.pop("PYTHONOPTIMIZE", None)  # the suite asserts its own set-up; run it as users do
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    low = 512  # too few descriptors for torch's transport with 256 tensors, unless the suite raises it
+    if hard != resource.RLIM_INFINITY and hard < 4 * low:
+        pytest.skip(f"the hard RLIMIT_NOFILE ({hard}) leaves no room to test that the suite raises it")
     done = subprocess.run(
         [sys.executable, "-m", "pyshmckpt", "bench", "--quick", "--suite", str(SUITE), "--output", str(tmp_path / "out"),
          "--", "-k", "64MiB-256t"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard)),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "test_sweep[e2e-64MiB-256t-torch] PASSED" in done.stdout  # pytest's progress lines
     assert "speed-up" in done.stdout
     results = json.loads((tmp_path / "out" / "results.json").read_text())
+    limits = results["machine"]["rlimit_nofile"]
+    assert limits["initial_soft"] == low and limits["soft"] == limits["hard"] == hard
     measured = {(r["phase"], r["transport"]) for r in results["rows"]}
     assert measured == {("staging", "ours"), ("staging", "torch"), ("e2e", "ours"), ("e2e", "torch")}
     assert all(r["GiB_per_s"] > 0 and r["nbytes"] == 64 * MIB for r in results["rows"])
     for name in ("throughput_vs_size.png", "throughput_vs_tensors.png", "pytest-benchmark.json", "comparison.json"):
         assert (tmp_path / "out" / name).stat().st_size > 0, name
+
+
+OUTPUT_NAMES = ("results.json", "comparison.json", "pytest-benchmark.json", "throughput_vs_size.png",
+                "throughput_vs_tensors.png")  # fmt: skip
+STALE = {name: b"stale from an earlier run" for name in OUTPUT_NAMES}
+STALE["results.json"] = json.dumps({"rows": rows(), "axes": {}, "ratios": {"stale ratio": 9.75}}).encode()
+
+
+@pytest.mark.skipif(not (SUITE / "test_sweep.py").exists(), reason="needs the repository's bench/ directory")
+def test_a_run_that_measures_nothing_reports_no_earlier_results(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, content in STALE.items():
+        (out / name).write_bytes(content)
+    (out / "notes.txt").write_text("not ours")
+    env = child_env()
+    env.pop("PYTHONOPTIMIZE", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "pyshmckpt", "bench", "--quick", "--suite", str(SUITE), "--output", str(out),
+         "--", "-k", "nothing-matches"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+    assert done.returncode != 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "the benchmark suite failed" in done.stderr
+    assert "speed-up" not in done.stdout and "9.75" not in done.stdout  # no table, stale or not
+    left = {p.name: p.read_bytes() for p in out.iterdir()}
+    # pytest-benchmark writes its (empty) record of this run; nothing of the earlier run is left,
+    # and only what a run writes was removed.
+    assert sorted(left) in (["notes.txt"], ["notes.txt", "pytest-benchmark.json"])
+    assert left.get("pytest-benchmark.json") != STALE["pytest-benchmark.json"]
+
+
+def test_previous_outputs_are_removed_before_pytest_starts(tmp_path, monkeypatch):
+    for name, content in STALE.items():
+        (tmp_path / name).write_bytes(content)
+    seen: list[list[str]] = []
+
+    class Started:
+        def __init__(self, command, cwd):
+            seen.append(sorted(p.name for p in tmp_path.iterdir()))
+
+        def wait(self, timeout):
+            return 5  # pytest: no tests collected
+
+    monkeypatch.setattr(bench_runner.subprocess, "Popen", Started)
+    assert bench_runner.run_suite(SUITE, tmp_path, True, [], 10.0) == 5
+    assert seen == [[]]
+
+
+def test_an_output_that_cannot_be_removed_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    (out / "results.json").mkdir(parents=True)  # a directory: unlink fails
+    (out / "results.json" / "x").write_text("x")
+    monkeypatch.setattr(bench_runner, "missing_packages", lambda: [])
+    started: list[object] = []
+    monkeypatch.setattr(bench_runner.subprocess, "Popen", lambda *a, **k: started.append(a))
+    args = argparse.Namespace(quick=True, output=out, suite=SUITE, timeout=10.0, pytest_args=[], report_only=False)
+    assert bench_runner.main(args) == 2
+    err = capsys.readouterr().err
+    assert "cannot remove the previous run's" in err and "results.json" in err
+    assert started == []  # pytest never ran
+

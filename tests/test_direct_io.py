@@ -102,14 +102,15 @@ def test_chunks_written_in_parallel_land_in_place(tmp_path, monkeypatch):
     check_same(pyshmckpt.load(target), state)
 
 
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.EOPNOTSUPP], ids=errno.errorcode.get)
 @pytest.mark.parametrize("where", ["open", "first write"])
-def test_filesystem_refusing_o_direct_falls_back_to_buffered_writes(tmp_path, monkeypatch, where):
+def test_filesystem_refusing_o_direct_falls_back_to_buffered_writes(tmp_path, monkeypatch, where, code):
     real_open, real_pwrite = os.open, os.pwrite
     direct_fds: set[int] = set()
 
     def fake_open(path, flags, *args, **kwargs):
         if flags & os.O_DIRECT and where == "open":
-            raise OSError(errno.EINVAL, "Invalid argument")
+            raise OSError(code, os.strerror(code))
         fd = real_open(path, flags, *args, **kwargs)
         if flags & os.O_DIRECT:
             direct_fds.add(fd)
@@ -117,7 +118,7 @@ def test_filesystem_refusing_o_direct_falls_back_to_buffered_writes(tmp_path, mo
 
     def fake_pwrite(fd, data, position):
         if fd in direct_fds:
-            raise OSError(errno.EINVAL, "Invalid argument")
+            raise OSError(code, os.strerror(code))
         return real_pwrite(fd, data, position)
 
     monkeypatch.setattr(os, "open", fake_open)
@@ -127,6 +128,115 @@ def test_filesystem_refusing_o_direct_falls_back_to_buffered_writes(tmp_path, mo
     monkeypatch.undo()
     assert writer.last_direct_bytes == 0
     check_same(pyshmckpt.load(target), state)
+
+
+CHUNK = 3 * DIRECT_IO_BLOCK  # lowered chunk size: mixed_state() spans about 100 chunks
+
+
+def fake_direct_io(monkeypatch, misbehave) -> tuple[list[int], list[tuple[int, int]]]:
+    """Make O_DIRECT writes go through `misbehave(position, data, write)` on any filesystem (the
+    O_DIRECT flag is dropped at open); `write(n)` really writes the first n bytes and returns n.
+    As the kernel does, an O_DIRECT write at an unaligned position or length fails with EINVAL.
+
+    Returns the file positions of the O_DIRECT writes attempted and (position, nbytes) of the
+    buffered writes, both filled in as the writer runs.
+    """
+    monkeypatch.setattr(file_writer, "DIRECT_IO_CHUNK", CHUNK)
+    real_open, real_pwrite = os.open, os.pwrite
+    direct_fds: set[int] = set()
+    attempts: list[int] = []
+    buffered: list[tuple[int, int]] = []
+
+    def fake_open(path, flags, *args, **kwargs):
+        fd = real_open(path, flags & ~os.O_DIRECT, *args, **kwargs)
+        if flags & os.O_DIRECT:
+            direct_fds.add(fd)
+        return fd
+
+    def fake_pwrite(fd, data, position):
+        if fd not in direct_fds:
+            buffered.append((position, len(data)))
+            return real_pwrite(fd, data, position)
+        attempts.append(position)
+        if position % DIRECT_IO_BLOCK or len(data) % DIRECT_IO_BLOCK:
+            raise OSError(errno.EINVAL, "Invalid argument (unaligned O_DIRECT write)")
+        return misbehave(position, data, lambda n: real_pwrite(fd, data[:n], position))
+
+    monkeypatch.setattr(os, "open", fake_open)
+    monkeypatch.setattr(os, "pwrite", fake_pwrite)
+    return attempts, buffered
+
+
+def bulk_of(target: Path) -> tuple[int, int]:
+    """(file offset of the data, bytes of it meant for O_DIRECT) of a direct_io rank file."""
+    raw = (target / "rank0.safetensors").read_bytes()
+    start = 8 + struct.unpack("<Q", raw[:8])[0]
+    return start, (len(raw) - start) // DIRECT_IO_BLOCK * DIRECT_IO_BLOCK
+
+
+@pytest.mark.parametrize("failure", ["EINVAL", "EOPNOTSUPP", "short"])
+def test_a_later_chunk_refused_or_short_is_finished_with_buffered_writes(tmp_path, monkeypatch, failure):
+    order: list[int] = []  # chunk positions in the order their writes were attempted
+    misbehaved: dict[int, tuple[int, int]] = {}  # position: (chunk bytes, bytes written with O_DIRECT)
+
+    def misbehave(position, data, write):
+        order.append(position)
+        if len(order) not in (6, 41):  # every other chunk (the first included) goes through whole
+            return write(len(data))
+        if failure == "short":
+            done = len(data) // 2 + 100  # not a multiple of the block size: no O_DIRECT retry
+            misbehaved[position] = (len(data), done)
+            return write(done)
+        misbehaved[position] = (len(data), 0)
+        code = getattr(errno, failure)
+        raise OSError(code, os.strerror(code))
+
+    attempts, buffered = fake_direct_io(monkeypatch, misbehave)
+    state = mixed_state()
+    target, writer = write_directly(tmp_path, state)
+    monkeypatch.undo()
+    check_same(pyshmckpt.load(target), state)
+    start, bulk = bulk_of(target)
+    assert len(misbehaved) == 2
+    assert sorted(attempts) == [start + pos for pos in range(0, bulk, CHUNK)]  # one try per chunk
+    for position, (size, done) in misbehaved.items():  # the rest went through the buffered fd
+        assert (position + done, size - done) in buffered
+    assert writer.last_direct_bytes == bulk - sum(size - done for size, done in misbehaved.values())
+
+
+def test_a_short_first_write_keeps_o_direct_for_the_other_chunks(tmp_path, monkeypatch):
+    order: list[int] = []
+
+    def misbehave(position, data, write):
+        order.append(position)
+        return write(DIRECT_IO_BLOCK + 1 if len(order) == 1 else len(data))
+
+    attempts, buffered = fake_direct_io(monkeypatch, misbehave)
+    state = mixed_state()
+    target, writer = write_directly(tmp_path, state)
+    monkeypatch.undo()
+    check_same(pyshmckpt.load(target), state)
+    start, bulk = bulk_of(target)
+    assert order[0] == start  # the first chunk is written first, before the others start
+    assert (start + DIRECT_IO_BLOCK + 1, CHUNK - DIRECT_IO_BLOCK - 1) in buffered
+    assert sorted(attempts) == [start + pos for pos in range(0, bulk, CHUNK)]
+    assert writer.last_direct_bytes == bulk - (CHUNK - DIRECT_IO_BLOCK - 1)
+
+
+def test_other_errors_of_a_later_chunk_fail_the_write_and_leave_nothing(tmp_path, monkeypatch):
+    seen: list[int] = []
+
+    def misbehave(position, data, write):
+        seen.append(position)
+        if len(seen) == 7:
+            raise OSError(errno.EIO, "Input/output error")
+        return write(len(data))
+
+    fake_direct_io(monkeypatch, misbehave)
+    with pytest.raises(OSError, match="Input/output"):
+        write_directly(tmp_path, mixed_state())
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == []
 
 
 def test_other_o_direct_errors_fail_the_write_and_leave_nothing(tmp_path, monkeypatch):
@@ -167,3 +277,40 @@ def test_checkpointer_direct_io_round_trip_and_option_checks(tmp_path):
     assert json.loads((path / "rank0.json").read_text())["format_version"] == 1
     with pytest.raises(ValueError, match="direct_io"):
         pyshmckpt.Checkpointer(tmp_path, writer="torch", direct_io=True)
+
+
+def write_after_stale_stage(tmp_path: Path, name: str, stale: float, state: dict[str, Any]) -> Path:
+    """Stage `stale`-filled data in a one-slot stager, drop it, then stage and write `state` to
+    the checkpoint `name` with direct_io (the file mirrors the slot, gaps included)."""
+    writer = SafetensorsWriter(direct_io=True)
+    with ShmStager(slots=1) as stager:
+        old = stager.stage({"secret": torch.full((1000,), stale), "more": torch.full((77,), stale)})
+        del old
+        staged = stager.stage(state)
+        handle = stager.handle(staged)
+        target = tmp_path / name
+        writer.write_slot(str(target), handle.slot.segment, handle.slot.offset, handle.manifest)
+        del staged
+    return target
+
+
+def test_padding_entries_hold_zeros_not_earlier_training_state(tmp_path):
+    state = {"a": torch.ones(3), "b": torch.ones(5), "c": torch.arange(7, dtype=torch.int16)}
+    target = write_after_stale_stage(tmp_path, "ck", -1.0, state)
+    read = load_file(str(target / "rank0.safetensors"))
+    pads = {name: t for name, t in read.items() if name.startswith(BLOCK_PREFIX + "pad")}
+    assert len(pads) == 2 and all(t.numel() > 0 for t in pads.values())
+    for name, pad in pads.items():
+        assert torch.count_nonzero(pad).item() == 0, name
+    for key, value in state.items():
+        assert torch.equal(read[key], value)
+    assert pyshmckpt.verify(target) == 3
+
+
+def test_saves_of_the_same_state_are_byte_identical_whatever_the_slot_held(tmp_path):
+    state = mixed_state()
+    first = write_after_stale_stage(tmp_path, "one", -1.0, state)
+    second = write_after_stale_stage(tmp_path, "two", 12345.0, state)
+    for name in ("rank0.safetensors", "rank0.json"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+

@@ -271,13 +271,28 @@ def check_plan(plan: layout.StagingPlan) -> None:
             f"tensor {i} reaches past its block",
         )
 
-    # Each block is filled exactly once: by one host copy, or by one gather.
-    host_dst = plan.host[:, 1].tolist()
+    # Each block is filled exactly once: by one host copy, or by one gather. The other host rows
+    # copy zeros into the alignment gaps between blocks.
+    block_bytes_at = dict(m.blocks.tolist())
+    block_rows = [row for row in plan.host.tolist() if row[1] in block_bytes_at]
+    gap_rows = [row for row in plan.host.tolist() if row[1] not in block_bytes_at]
+    host_dst = [dst for _, dst, _ in block_rows]
     gather_dst = [int(m.blocks[int(m.block[i]), 0]) for i, _ in plan.gathers]
     same(sorted(host_dst + gather_dst), m.blocks[:, 0].tolist(), "blocks filled")
-    block_bytes_at = dict(m.blocks.tolist())
-    for dst, nbytes in plan.host[:, 1:].tolist():
+    for _, dst, nbytes in block_rows:
         same(nbytes, block_bytes_at[dst], f"bytes copied into block at {dst}")
+
+    # Together the entries write every byte of [0, manifest.size) exactly once: the blocks, and
+    # the gaps between them (each shorter than the alignment) from a source of zeros.
+    spans = sorted([*m.blocks.tolist(), *[[dst, nbytes] for _, dst, nbytes in gap_rows]])
+    end = 0
+    for offset, nbytes in spans:
+        same(offset, end, "start of the next block or gap")
+        end = offset + nbytes
+    same(end, m.size, "end of what the plan writes")
+    for src, dst, nbytes in gap_rows:
+        check(0 < nbytes < align, f"gap of {nbytes} bytes at {dst} (alignment {align})")
+        same(ctypes.string_at(src, nbytes), bytes(nbytes), f"source of the gap at {dst}")
     for index, source in plan.gathers:
         check(plan.sources[index] is source, f"gather {index} is not source {index}")
         entry = m.entry(index)
@@ -285,20 +300,32 @@ def check_plan(plan: layout.StagingPlan) -> None:
         same(int(m.blocks[entry.block, 1]), entry.nbytes, f"block bytes of gathered {index}")
         same(entry.offset, int(m.blocks[entry.block, 0]), f"offset of gathered {index}")
 
-    # Host copies read from inside the source storages: plan() copies nothing itself.
-    spans = [(s.untyped_storage().data_ptr(), s.untyped_storage().nbytes()) for s in plan.sources]
-    for src, _, nbytes in plan.host.tolist():
+    # Block copies read from inside the source storages: plan() copies nothing itself.
+    storages = [(s.untyped_storage().data_ptr(), s.untyped_storage().nbytes()) for s in plan.sources]
+    for src, _, nbytes in block_rows:
         check(
-            any(ptr <= src and src + nbytes <= ptr + size for ptr, size in spans),
+            any(ptr <= src and src + nbytes <= ptr + size for ptr, size in storages),
             f"host copy from {src:#x} (+{nbytes}) is outside every source storage",
         )
+
+
+def check_gaps_zeroed(manifest: layout.Manifest, buf: torch.Tensor, slot_offset: int) -> None:
+    """Every byte of [0, manifest.size) outside the blocks is zero in a buffer `execute` filled
+    (it starts as a poison pattern, as a slot starts with an earlier stage's bytes)."""
+    covered = torch.zeros(manifest.size, dtype=torch.bool)
+    for offset, nbytes in manifest.blocks.tolist():
+        covered[offset : offset + nbytes] = True
+    region = buf[slot_offset : slot_offset + manifest.size]
+    stale = torch.count_nonzero(region[~covered]).item()
+    same(stale, 0, "non-zero bytes in the gaps between blocks")
 
 
 def roundtrip(state_dict: Any, slot_offset: int = SLOT_OFFSET) -> Any:
     """plan -> fill a buffer -> rebuild, checking the plan and the result on the way."""
     plan = layout.plan(state_dict)
     check_plan(plan)
-    staged, _buf = execute(plan, slot_offset)
+    staged, buf = execute(plan, slot_offset)
+    check_gaps_zeroed(plan.manifest, buf, slot_offset)
     assert_same(staged, state_dict)
     assert_identity_and_aliasing(staged, state_dict, plan)
     return staged
@@ -1013,6 +1040,45 @@ def test_alignment_knob(monkeypatch):
     roundtrip(state)
 
 
+def test_gaps_between_blocks_are_zero_filled_by_host_rows():
+    """One host row per CPU block, then one per gap: the padding after every block but the last,
+    read from zeros. Without them a slot keeps an earlier stage's bytes between blocks."""
+    x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    state = {"a": torch.ones(3), "g": x[:, ::4], "b": torch.ones(16), "c": torch.ones(5)}
+    plan = layout.plan(state)
+    check_plan(plan)
+    m = plan.manifest
+    same(len(plan.gathers), 1, "gathered views")
+    # Blocks: a (12 bytes), g gathered (8 x 4 bytes), b (64 bytes: no gap), c (20, last).
+    same(m.blocks.tolist(), [[0, 12], [64, 32], [128, 64], [192, 20]], "blocks")
+    same(len(plan.host), 3 + 2, "host rows: three CPU blocks copied, two gaps zeroed")
+    same(plan.host[3:, 1:].tolist(), [[12, 52], [96, 32]], "gap rows (offset, nbytes)")
+    same(m.size, 212, "manifest.size ends at the last block's data")
+    staged, buf = execute(plan)
+    check_gaps_zeroed(m, buf, SLOT_OFFSET)
+    same(buf[SLOT_OFFSET + m.size].item(), 0xA5, "nothing written past manifest.size")
+    assert_same(staged, state)
+
+
+def test_gap_rows_cost_nothing_without_gaps():
+    plan = layout.plan({f"w{i}": torch.ones(16) for i in range(8)})  # 64 bytes each
+    same(len(plan.host), 8, "host rows")
+    same(layout.plan({"only": torch.ones(3)}).host.shape, (1, 3), "a single block has no gap")
+
+
+def test_gaps_wider_than_the_default_zero_buffer(monkeypatch):
+    monkeypatch.setenv("PYSHMCKPT_ALIGNMENT", str(1 << 16))
+    state = {"a": torch.ones(3), "b": torch.ones(70_000, dtype=torch.uint8), "c": torch.ones(2)}
+    plan = layout.plan(state)
+    check_plan(plan)  # reads every gap row's source: all zeros
+    same(plan.host[3:, 2].tolist(), [(1 << 16) - 12, 2 * (1 << 16) - 70_000], "gap sizes")
+    staged, buf = execute(plan)
+    check_gaps_zeroed(plan.manifest, buf, SLOT_OFFSET)
+    assert_same(staged, state)
+    monkeypatch.delenv("PYSHMCKPT_ALIGNMENT")
+    check_plan(layout.plan(state))  # smaller alignments keep working after the buffer grew
+
+
 def test_manifest_pickles_and_rebuilds_the_same():
     state = manifest_state()
     plan = layout.plan(state)
@@ -1092,7 +1158,8 @@ def test_make_tensors_with_a_buffer_per_block():
     buffers = [torch.zeros(int(n) + 64, dtype=torch.uint8) for n in m.blocks[:, 1].tolist()]
     block_at = {off: b for b, off in enumerate(m.blocks[:, 0].tolist())}
     for src, dst, n in plan.host.tolist():
-        ctypes.memmove(buffers[block_at[dst]].data_ptr(), src, n)
+        if dst in block_at:  # not a gap between blocks: those have no buffer here
+            ctypes.memmove(buffers[block_at[dst]].data_ptr(), src, n)
     for i, source in plan.gathers:
         b = int(m.block[i])
         buffers[b][: source.numel() * source.element_size()].view(source.dtype).copy_(

@@ -205,6 +205,51 @@ def test_failure_during_copy_frees_the_slot(stager, monkeypatch):
     assert torch.equal(stager.stage(state(5.0))["w"], torch.full((64, 64), 5.0))
 
 
+def test_gaps_between_blocks_hold_zeros_not_an_earlier_stage():
+    """The alignment padding between blocks is written on every stage: bytes staged earlier in the
+    same slot (here -1.0, 0xBF80 0000) never survive there."""
+    with ShmStager(slots=1) as stager:
+        secret = stager.stage({"secret": torch.full((1000,), -1.0)})
+        slot = stager.handle(secret).slot
+        del secret
+        x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+        source = {"a": torch.ones(3), "g": x[:, ::4], "b": torch.ones(5), "c": torch.ones(2)}
+        staged = stager.stage(source)
+        handle = stager.handle(staged)
+        assert handle.slot is slot  # the one slot, reused
+        manifest = handle.manifest
+        data = slot.base(torch.uint8)[slot.offset : slot.offset + manifest.size]
+        in_block = torch.zeros(manifest.size, dtype=torch.bool)
+        for offset, nbytes in manifest.blocks.tolist():
+            in_block[offset : offset + nbytes] = True
+        assert int((~in_block).sum()) > 0  # there are gaps to check
+        assert torch.count_nonzero(data[~in_block]).item() == 0
+        for key, value in source.items():
+            assert torch.equal(staged[key], value)
+        del staged, data
+
+
+@pytest.mark.gpu
+def test_gaps_between_cuda_blocks_are_zeroed_too():
+    """Blocks copied from the device still get their gaps zeroed by the host copy engine."""
+    with ShmStager(slots=1) as stager:
+        stager.stage({"secret": torch.full((1000,), -1.0)})  # dropped at once: the slot is free
+        source = {"a": torch.ones(3, device="cuda"), "b": torch.ones(5, device="cuda"), "c": torch.ones(7)}
+        staged = stager.stage(source)
+        handle = stager.handle(staged)
+        manifest = handle.manifest
+        slot = handle.slot
+        data = slot.base(torch.uint8)[slot.offset : slot.offset + manifest.size]
+        in_block = torch.zeros(manifest.size, dtype=torch.bool)
+        for offset, nbytes in manifest.blocks.tolist():
+            in_block[offset : offset + nbytes] = True
+        assert int((~in_block).sum()) > 0
+        assert torch.count_nonzero(data[~in_block]).item() == 0
+        for key, value in source.items():
+            assert torch.equal(staged[key], value.cpu())
+        del staged, data
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [
