@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
+import secrets
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -42,6 +44,26 @@ def _place(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
     return rank, world_size
+
+
+def _run_id(given: str | None, world_size: int) -> str:
+    """The run id every rank agrees on (see Checkpointer's run_id)."""
+    if given is not None:
+        if not isinstance(given, str) or not re.fullmatch(r"[A-Za-z0-9_]{1,64}", given):
+            raise ValueError(f"run_id must be 1-64 letters, digits or '_', not {given!r}")
+        return given
+    if world_size == 1:
+        return "local"
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "several ranks need a run id they agree on: initialize torch.distributed, or pass the "
+            "same run_id=... on every rank"
+        )
+    drawn = [secrets.token_hex(8) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(drawn, src=0)
+    return str(drawn[0])
 
 
 def _check_plain(manifest: Any) -> None:
@@ -84,6 +106,10 @@ class Checkpointer:
             agree) into a root on a filesystem they share; a save completes on each rank once the
             whole checkpoint is committed, and fails on every rank if any rank fails.
         barrier_timeout: seconds rank 0 waits for the other ranks' files (and they for its commit).
+        run_id: with several ranks and torch.distributed not initialized, a name of this run
+            that every rank passes alike (letters, digits, '_'); with torch.distributed, rank 0
+            draws one and broadcasts it (so every rank must construct its Checkpointer, as a
+            collective call). Each save's attempt id is the run id and the save's number.
     """
 
     def __init__(
@@ -100,6 +126,7 @@ class Checkpointer:
         rank: int | None = None,
         world_size: int | None = None,
         barrier_timeout: float = 600.0,
+        run_id: str | None = None,
     ) -> None:
         self._closed = True
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
@@ -117,6 +144,8 @@ class Checkpointer:
             raise ValueError(f"barrier_timeout must be a positive number, not {barrier_timeout!r}")
         if self.rank == 0 and self.root.is_dir():
             commit.clean_leftovers(self.root)  # other ranks' temporaries may be in progress
+        self._run_id = _run_id(run_id, self.world_size)
+        self._attempts = itertools.count(1)
         writer_args: dict[str, Any] = {"keep_last": keep_last}
         if self.world_size > 1:
             writer_args["barrier_timeout"] = float(barrier_timeout)
@@ -165,7 +194,8 @@ class Checkpointer:
         if target.exists() or target.is_symlink():
             raise FileExistsError(f"checkpoint {target} already exists")
         staged = self._stager.stage(state_dict)
-        written = self._process.write(staged, str(target))
+        extra = {"attempt": f"{self._run_id}.{next(self._attempts)}"} if self.world_size > 1 else {}
+        written = self._process.write(staged, str(target), **extra)
         del staged  # its slot frees itself once written and unreferenced
         result: Future[Path] = Future()
 

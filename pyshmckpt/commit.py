@@ -7,11 +7,17 @@ is a symbolic link to the newest one, replaced atomically after the commit. Rete
 oldest checkpoints (by commit sequence) only after a newer one is committed.
 
 Several ranks (world_size > 1, on a filesystem they share) write one checkpoint directory
-together: every rank writes its own files into ``root/.tmp-<name>`` (a name they all agree on),
-fsyncs them and leaves a ``.rank<r>.done`` marker (or ``.rank<r>.failed`` with its error). Rank 0
-waits, bounded, for every marker, then commits as above; the other ranks wait until the committed
-directory appears, so each rank's save completes only once the whole checkpoint is durable. A
-failure or timeout on any rank fails the save on every rank and removes the temporary directory.
+together. Each save is an *attempt* with an id every rank agrees on (a session id shared at start
+plus the save's sequence number), so nothing left by another attempt is ever mistaken for this
+one's. Every rank writes its files into ``root/.tmp-<name>-<attempt>``, fsyncs them and the
+directory, then creates ``.rank<r>.done``. Rank 0 waits (bounded) for every marker, claims them
+by unlinking each one, and commits as above. A rank that gives up waiting withdraws its marker by
+renaming it: whichever of the claim and the withdrawal comes first decides, atomically, whether
+the attempt can still be committed. Any rank that fails or gives up writes a tombstone
+``root/.failed-<name>-<attempt>`` with its reason: every other rank stops at once with that
+reason, and nothing is committed. The other ranks return once ``latest`` names the checkpoint.
+Only rank 0 removes temporaries: a dead attempt's files once a later attempt is committed (every
+rank has finished with the earlier one by then), and everything left when a root is opened.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from .errors import CommitError
 
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+FAILED_PREFIX = ".failed-"
 LATEST = "latest"
 COMMIT_RECORD = "commit.json"
 
@@ -178,7 +185,7 @@ def clean_leftovers(root: Path) -> list[str]:
     """Remove temporaries a crash left behind (unfinished checkpoints, trash, link temporaries)."""
     removed = []
     for entry in os.scandir(root):
-        if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX, f".{LATEST}-")):
+        if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX, FAILED_PREFIX, f".{LATEST}-")):
             path = Path(entry.path)
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
@@ -199,6 +206,7 @@ def commit_directory(
     *,
     rank: int = 0,
     world_size: int = 1,
+    attempt: str | None = None,
     barrier_timeout: float = 600.0,
 ) -> Path:
     """Write a checkpoint with `fill(temp_dir)`, then commit it as `path`, update `latest`, and
@@ -206,13 +214,16 @@ def commit_directory(
     temporary directory is removed and earlier checkpoints are untouched.
 
     `fill` returns the files it wrote (None: every file in the directory), which are fsynced.
-    With world_size > 1, every rank calls this with the same `path` (see the module docstring).
+    With world_size > 1, every rank calls this with the same `path` and `attempt` (see the module
+    docstring); `attempt` must be unique to this save among all saves into the root.
     """
     final = Path(path)
     root = final.parent
     check_root(root)
     if world_size > 1:
-        return _commit_shared(final, fill, keep_last, rank, world_size, barrier_timeout)
+        if not attempt or not isinstance(attempt, str) or "/" in attempt or "-" in attempt:
+            raise ValueError(f"a multi-rank save needs an attempt id without '-' or '/', not {attempt!r}")
+        return _SharedCommit(final, rank, world_size, attempt, barrier_timeout).run(fill, keep_last)
     temp = new_temp_dir(root, final.name)
     try:
         _fill_and_sync(temp, fill)
@@ -220,7 +231,9 @@ def commit_directory(
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
-    _after_commit(root, final.name, keep_last)
+    update_latest(root, final.name)
+    if keep_last is not None:
+        retain(root, keep_last, background=True)
     return final
 
 
@@ -232,56 +245,6 @@ def _fill_and_sync(temp: Path, fill: Fill) -> None:
         fsync_path(file)
 
 
-def _after_commit(root: Path, name: str, keep_last: int | None) -> None:
-    update_latest(root, name)
-    if keep_last is not None:
-        retain(root, keep_last, background=True)
-
-
-def _marker(rank: int, outcome: str) -> str:
-    return f".rank{rank}.{outcome}"
-
-
-def _commit_shared(
-    final: Path, fill: Fill, keep_last: int | None, rank: int, world_size: int, timeout: float
-) -> Path:
-    check_name(final.name)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside world size {world_size}")
-    root = final.parent
-    if final.exists() or final.is_symlink():
-        raise FileExistsError(f"checkpoint {final} already exists")
-    temp = root / f"{TMP_PREFIX}{final.name}"  # every rank derives the same name
-    deadline = time.monotonic() + timeout
-    with contextlib.suppress(FileExistsError):
-        temp.mkdir(mode=0o755)
-    try:
-        _fill_and_sync(temp, fill)
-        done = temp / _marker(rank, "done")
-        done.touch(exist_ok=False)
-        fsync_path(done)
-        fsync_path(temp)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            (temp / _marker(rank, "failed")).write_text(f"{type(exc).__name__}: {exc}")
-        if rank == 0:
-            shutil.rmtree(temp, ignore_errors=True)
-        raise
-    if rank != 0:
-        _wait_for_commit(temp, final, deadline, timeout)
-        return final
-    try:
-        _wait_for_ranks(temp, final.name, world_size, deadline, timeout)
-        for r in range(world_size):
-            (temp / _marker(r, "done")).unlink()
-        commit(temp, final, world_size)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
-    _after_commit(root, final.name, keep_last)
-    return final
-
-
 def _poll_delays() -> Iterable[float]:
     delay = 0.001
     while True:
@@ -289,35 +252,145 @@ def _poll_delays() -> Iterable[float]:
         delay = min(delay * 2, 0.05)
 
 
-def _wait_for_ranks(temp: Path, name: str, world_size: int, deadline: float, timeout: float) -> None:
-    """Rank 0: wait until every rank has marked its files done; fail fast if one failed."""
-    expected = {_marker(r, "done") for r in range(world_size)}
-    for delay in _poll_delays():
-        present = set(os.listdir(temp))
-        failed = sorted(p for p in present if p.startswith(".rank") and p.endswith(".failed"))
-        if failed:
-            reason = (temp / failed[0]).read_text(errors="replace")
-            raise CommitError(f"checkpoint {name}: {failed[0][1:-7]} failed to write its files: {reason}")
-        missing = expected - present
-        if not missing:
-            return
-        if time.monotonic() >= deadline:
-            ranks = sorted(int(m[5:-5]) for m in missing)
-            raise TimeoutError(f"checkpoint {name}: ranks {ranks} did not finish writing within {timeout:g} s")
-        time.sleep(delay)
+class _SharedCommit:
+    """One rank's part in one attempt of a multi-rank commit (see the module docstring)."""
 
+    def __init__(self, final: Path, rank: int, world_size: int, attempt: str, timeout: float) -> None:
+        check_name(final.name)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.final, self.root, self.name = final, final.parent, final.name
+        self.rank, self.world_size, self.attempt, self.timeout = rank, world_size, attempt, timeout
+        self.temp = self.root / f"{TMP_PREFIX}{final.name}-{attempt}"
+        self.tomb = self.root / f"{FAILED_PREFIX}{final.name}-{attempt}"
+        self.done = self.temp / f".rank{rank}.done"
 
-def _wait_for_commit(temp: Path, final: Path, deadline: float, timeout: float) -> None:
-    """Ranks other than 0: wait until rank 0 has committed `final` (or abandoned it)."""
-    record = final / COMMIT_RECORD
-    for delay in _poll_delays():
-        if record.exists():
+    def run(self, fill: Fill, keep_last: int | None) -> Path:
+        if self.final.exists() or self.final.is_symlink():
+            raise FileExistsError(f"checkpoint {self.final} already exists")
+        self._check_tomb()  # another rank already gave this attempt up: do not write
+        # The other ranks wait a little longer than rank 0, so rank 0's verdict normally lands first.
+        deadline = time.monotonic() + (self.timeout if self.rank == 0 else self.timeout * 1.1 + 1.0)
+        try:
+            self.temp.mkdir(mode=0o755, exist_ok=True)
+            _fill_and_sync(self.temp, fill)
+            self._mark_done()
+        except BaseException as exc:
+            self._bury(f"rank {self.rank} failed to write its files: {type(exc).__name__}: {exc}")
+            raise
+        if self.rank != 0:
+            self._wait_for_commit(deadline)
+            return self.final
+        try:
+            self._wait_for_ranks(deadline)
+            self._claim()
+            commit(self.temp, self.final, self.world_size)
+        except CommitError:
+            shutil.rmtree(self.temp, ignore_errors=True)
+            raise
+        except BaseException as exc:
+            self._bury(f"rank 0 could not commit: {type(exc).__name__}: {exc}")
+            raise
+        update_latest(self.root, self.name)
+        self._remove_dead_attempts()
+        if keep_last is not None:
+            retain(self.root, keep_last, background=True)
+        return self.final
+
+    def _mark_done(self) -> None:
+        """Make this rank's file names durable, then say so. The marker is created through a
+        descriptor of the directory, so rank 0 may claim and rename it at any moment after."""
+        dfd = os.open(self.temp, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+            os.close(os.open(self.done.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd))
+        finally:
+            os.close(dfd)
+
+    def _bury(self, reason: str) -> None:
+        """Give the attempt up for every rank. The tombstone appears with its reason in one step
+        (a hard link of a written file), and the first one stays; where even that cannot be
+        written (a full disk), an empty tombstone still stops every rank. Rank 0 removes the
+        temporary directory first, which also frees the space the reason needs on a full disk."""
+        if self.rank == 0:
+            shutil.rmtree(self.temp, ignore_errors=True)
+        staged = self.root / f"{FAILED_PREFIX}{self.name}-{self.attempt}.rank{self.rank}"
+        try:
+            staged.write_text(reason)
+            os.link(staged, self.tomb)
+        except FileExistsError:
+            pass
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.close(os.open(self.tomb, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        finally:
+            with contextlib.suppress(OSError):
+                staged.unlink()
+
+    def _check_tomb(self) -> None:
+        try:
+            reason = self.tomb.read_text(errors="replace")
+        except FileNotFoundError:
             return
-        if not temp.exists():
-            if record.exists():
+        reason = reason or "another rank gave up (its reason could not be written: is the disk full?)"
+        if self.rank == 0:
+            shutil.rmtree(self.temp, ignore_errors=True)
+        raise CommitError(f"checkpoint {self.name} was abandoned: {reason}")
+
+    def _wait_for_ranks(self, deadline: float) -> None:
+        expected = {f".rank{r}.done" for r in range(self.world_size)}
+        for delay in _poll_delays():
+            self._check_tomb()
+            missing = expected - set(os.listdir(self.temp))
+            if not missing:
                 return
-            raise CommitError(f"checkpoint {final.name} was abandoned by rank 0 (it failed or timed out)")
-        if time.monotonic() >= deadline:
-            shutil.rmtree(temp, ignore_errors=True)
-            raise TimeoutError(f"checkpoint {final.name}: rank 0 did not commit it within {timeout:g} s")
-        time.sleep(delay)
+            if time.monotonic() >= deadline:
+                ranks = sorted(int(m[5:-5]) for m in missing)
+                self._bury(f"rank 0 waited {self.timeout:g} s for ranks {ranks} to write their files")
+                raise TimeoutError(f"checkpoint {self.name}: ranks {ranks} did not finish writing within {self.timeout:g} s")
+            time.sleep(delay)
+
+    def _claim(self) -> None:
+        """Unlink every rank's marker; a marker already withdrawn means that rank gave up."""
+        for r in range(self.world_size):
+            try:
+                (self.temp / f".rank{r}.done").unlink()
+            except FileNotFoundError:
+                self._bury(f"rank {r} gave up waiting before rank 0 could commit")
+                self._check_tomb()
+
+    def _wait_for_commit(self, deadline: float) -> None:
+        claimed = False
+        for delay in _poll_delays():
+            self._check_tomb()
+            with contextlib.suppress(OSError):
+                if os.readlink(self.root / LATEST) == self.name and (self.final / COMMIT_RECORD).exists():
+                    return
+            if time.monotonic() >= deadline:
+                if claimed:
+                    raise TimeoutError(f"checkpoint {self.name}: rank 0 claimed it but did not commit it in time")
+                try:
+                    self.done.rename(self.temp / f".rank{self.rank}.withdrawn")
+                except FileNotFoundError:
+                    claimed = True  # rank 0 claimed this rank's files: give it time to commit
+                    deadline = time.monotonic() + self.timeout
+                    continue
+                self._bury(f"rank {self.rank} waited {self.timeout:g} s for rank 0 to commit")
+                raise TimeoutError(f"checkpoint {self.name}: rank 0 did not commit it within {self.timeout:g} s")
+            time.sleep(delay)
+
+    def _remove_dead_attempts(self) -> None:
+        """Every rank has finished with this session's earlier attempts (each rank saves in
+        order, and all of them took part in this one): remove their temporaries and tombstones."""
+        session, _, number = self.attempt.rpartition(".")
+        for entry in os.scandir(self.root):
+            if not entry.name.startswith((TMP_PREFIX, FAILED_PREFIX)):
+                continue
+            other = entry.name.rpartition("-")[2]
+            other_session, _, other_number = other.rpartition(".")
+            if other_session == session and other_number.isdigit() and number.isdigit() and int(other_number) < int(number):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)

@@ -11,6 +11,7 @@ memory to the file with writev, with no intermediate copy; the directory is comm
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -229,10 +230,23 @@ class SafetensorsWriter:
             self.keep_last,
             rank=self.rank,
             world_size=self.world_size,
+            attempt=kwargs.get("attempt"),
             barrier_timeout=self.barrier_timeout,
         )
 
     def _write_files(
+        self, directory: Path, segment: _C.Segment, offset: int, manifest: layout.Manifest, tree: Any
+    ) -> list[Path]:
+        try:
+            return self._write_rank_files(directory, segment, offset, manifest, tree)
+        except BaseException:
+            # Free the space at once (a full disk): other ranks may still write into this directory.
+            for name in file_names(self.rank):
+                with contextlib.suppress(OSError):
+                    (directory / name).unlink()
+            raise
+
+    def _write_rank_files(
         self, directory: Path, segment: _C.Segment, offset: int, manifest: layout.Manifest, tree: Any
     ) -> list[Path]:
         direct = self.direct_io and (segment.address + offset) % DIRECT_IO_BLOCK == 0

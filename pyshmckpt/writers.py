@@ -23,12 +23,17 @@ class TorchSaveWriter:
     def write(self, path: str, state_dict: Any, **kwargs: Any) -> None:
         def fill(temp: Path) -> list[Path]:
             file = temp / f"checkpoint_{self.rank}.pt"
-            torch.save(state_dict, file)
+            try:
+                torch.save(state_dict, file)
+            except BaseException:
+                file.unlink(missing_ok=True)  # free the space before other ranks are told
+                raise
             return [file]
 
         commit.commit_directory(
-            path, fill, self.keep_last, rank=self.rank, world_size=self.world_size, barrier_timeout=self.barrier_timeout
-        )
+            path, fill, self.keep_last, rank=self.rank, world_size=self.world_size,
+            attempt=kwargs.get("attempt"), barrier_timeout=self.barrier_timeout,
+        )  # fmt: skip
 
 
 class DcpWriter:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,8 @@ from helpers import (
 
 @contextlib.contextmanager
 def ranks(root: Path, world_size: int, **kwargs: Any) -> Iterator[list[Checkpointer]]:
+    """One Checkpointer per rank (rank 0 first, as it removes leftovers when it opens the root)."""
+    kwargs.setdefault("run_id", "r" + secrets.token_hex(4))
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(opened(root, rank=r, world_size=world_size, **kwargs)) for r in range(world_size)]
 
@@ -100,16 +104,23 @@ def test_a_rank_that_never_saves_times_the_checkpoint_out_everywhere(tmp_path):
         zero = cks[0].save(rank_state(0, 2), name="partial")
         two = cks[2].save(rank_state(2, 2), name="partial")  # rank 1 does not save
         exc0 = failure_of(zero)
-        assert "TimeoutError" in f"{type(exc0).__name__} {exc0}" and "[1]" in str(exc0), exc0
+        assert isinstance(exc0, TimeoutError) or "TimeoutError" in str(exc0), exc0
+        assert "ranks [1]" in str(exc0), exc0
         exc2 = failure_of(two)
-        assert "abandoned" in str(exc2) or "TimeoutError" in f"{type(exc2).__name__} {exc2}", exc2
+        assert "abandoned: rank 0 waited" in str(exc2), exc2
         assert visible(tmp_path) == ["ok"]
-        assert hidden(tmp_path) == []
+        assert [n for n in hidden(tmp_path) if not n.startswith(".failed-partial-")] == []
         assert link_target(tmp_path / "latest") == "ok"
+
+        # Rank 1 comes late to that attempt: it stops at the tombstone without writing anything.
+        late = cks[1].save(rank_state(1, 2), name="partial")
+        assert "abandoned: rank 0 waited" in str(failure_of(late))
+        assert not any(n.startswith(".tmp-partial-") for n in hidden(tmp_path))
 
         again = [ck.save(rank_state(r, 3), name="again") for r, ck in enumerate(cks)]
         assert {f.result(timeout=SAVE_TIMEOUT) for f in again} == {tmp_path / "again"}
         assert pyshmckpt.load(tmp_path / "again", rank=1)["step"] == 3
+        assert hidden(tmp_path) == [], "the dead attempt's tombstone outlived a later commit"
 
 
 def test_a_rank_that_runs_out_of_disk_fails_the_save_on_every_rank(tmp_path):
@@ -121,20 +132,24 @@ def test_a_rank_that_runs_out_of_disk_fails_the_save_on_every_rank(tmp_path):
         # Ranks 0 and 2 finish their files first (else rank 1's partial file may fill the disk
         # under them, and they fail on their own ENOSPC), then rank 1 writes 4 MB on 2 MB.
         zero, two = (cks[r].save(rank_state(r, 2), name="full") for r in (0, 2))
-        temp = root / ".tmp-full"
-        wait_until(lambda: {".rank0.done", ".rank2.done"} <= set(names_in(temp)) if temp.exists() else False,
-                   SAVE_TIMEOUT, "ranks 0 and 2 to finish their files")  # fmt: skip
+        def marked() -> set[str]:
+            return {m.name for m in root.glob(".tmp-full-*/.rank*.done")}
+
+        wait_until(lambda: {".rank0.done", ".rank2.done"} <= marked(), SAVE_TIMEOUT, "ranks 0 and 2 to finish their files")
         one = cks[1].save(rank_state(1, 2, numel=1_000_000), name="full")
         errors = [failure_of(f) for f in (zero, one, two)]
         assert "No space left" in str(errors[1]) or "Errno 28" in str(errors[1]), errors[1]
-        text0 = f"{type(errors[0]).__name__}: {errors[0]}"
-        assert "CommitError" in text0 and "rank1" in text0, text0
-        assert "abandoned" in str(errors[2]), errors[2]
-        assert visible(root) == ["fits"] and hidden(root) == []
+        for exc in (errors[0], errors[2]):  # both report rank 1's own error
+            text = f"{type(exc).__name__}: {exc}"
+            assert "CommitError" in text and "rank 1 failed to write its files" in text, text
+            assert "No space left" in text or "Errno 28" in text, text
+        assert visible(root) == ["fits"]
+        assert [n for n in hidden(root) if not n.startswith(".failed-full-")] == []
         assert {p.name: p.read_bytes() for p in (root / "fits").iterdir()} == before
 
         again = [ck.save(rank_state(r, 3), name="again") for r, ck in enumerate(cks)]
         assert {f.result(timeout=SAVE_TIMEOUT) for f in again} == {root / "again"}
+        assert hidden(root) == []
 
 
 def test_torch_writer_across_ranks_uses_torch_file_names(tmp_path):
@@ -149,10 +164,47 @@ def test_torch_writer_across_ranks_uses_torch_file_names(tmp_path):
 def test_only_rank_zero_removes_leftovers(tmp_path):
     leftover = tmp_path / ".tmp-step-9"
     leftover.mkdir()
-    with opened(tmp_path, rank=1, world_size=2):
+    with opened(tmp_path, rank=1, world_size=2, run_id="x"):
         assert leftover.exists(), "rank 1 removed a temporary another rank may be writing"
-    with opened(tmp_path, rank=0, world_size=2):
+    with opened(tmp_path, rank=0, world_size=2, run_id="x"):
         assert not leftover.exists()
+
+
+def test_a_rank_zero_failure_stops_a_late_rank_before_it_writes(tmp_path):
+    with small_tmpfs(tmp_path / "small") as root, ranks(root, 2, barrier_timeout=120.0) as cks:
+        too_big = cks[0].save(rank_state(0, 1, numel=1_000_000), name="c")  # 4 MB on 2 MB
+        assert "No space left" in str(failure_of(too_big)) or "Errno 28" in str(failure_of(too_big))
+        started = time.monotonic()
+        late = failure_of(cks[1].save(rank_state(1, 1), name="c"))
+        assert time.monotonic() - started < 30, "rank 1 waited for the barrier timeout"
+        assert "abandoned: rank 0 failed to write its files" in str(late), late
+        assert [n for n in hidden(root) if not n.startswith(".failed-c-")] == []
+
+
+def test_files_of_another_attempt_are_never_committed(tmp_path):
+    with ranks(tmp_path, 2, run_id="now") as cks:
+        stale = tmp_path / ".tmp-c-before.1"  # another run's attempt at the same name, all "done"
+        stale.mkdir()
+        (stale / "rank1.safetensors").write_bytes(b"OLD")
+        (stale / ".rank1.done").touch()
+        zero = cks[0].save(rank_state(0, 1), name="c")
+        time.sleep(0.5)  # rank 0 is waiting for rank 1 now; the stale marker must not satisfy it
+        assert not zero.done()
+        one = cks[1].save(rank_state(1, 1), name="c")
+        assert {zero.result(timeout=SAVE_TIMEOUT), one.result(timeout=SAVE_TIMEOUT)} == {tmp_path / "c"}
+        assert pyshmckpt.load(tmp_path / "c", rank=1)["rank"] == 1
+        assert stale.exists(), "another run's temporary is only removed when a root is opened"
+
+
+def test_a_rank_that_gives_up_withdraws_and_rank_zero_does_not_commit(tmp_path):
+    with ranks(tmp_path, 2, barrier_timeout=1.0) as cks:
+        gave_up = failure_of(cks[1].save(rank_state(1, 1), name="c"))
+        assert isinstance(gave_up, TimeoutError) or "TimeoutError" in str(gave_up), gave_up
+        (marker,) = [p.name for p in tmp_path.glob(".tmp-c-*/.rank1.*")]
+        assert marker == ".rank1.withdrawn"
+        late_zero = failure_of(cks[0].save(rank_state(0, 1), name="c"))
+        assert "abandoned: rank 1 waited" in str(late_zero), late_zero
+        assert visible(tmp_path) == []
 
 
 @pytest.mark.parametrize(
@@ -165,9 +217,14 @@ def test_only_rank_zero_removes_leftovers(tmp_path):
         ({"rank": 0, "world_size": 2.0}, TypeError),
         ({"rank": 0, "world_size": 2, "barrier_timeout": 0}, ValueError),
         ({"rank": 0, "world_size": 2, "writer": "dcp"}, NotImplementedError),
+        ({"rank": 0, "world_size": 2}, ValueError),  # no torch.distributed and no run_id
+        ({"rank": 0, "world_size": 2, "run_id": "a-b"}, ValueError),
+        ({"rank": 0, "world_size": 2, "run_id": ""}, ValueError),
     ],
 )
 def test_bad_rank_arguments_are_refused_before_any_process_starts(tmp_path, kwargs, error):
+    if "run_id" not in kwargs and kwargs.get("world_size") == 2 and error is not ValueError:
+        kwargs = {**kwargs, "run_id": "x"}
     with pytest.raises(error):
         Checkpointer(tmp_path, **kwargs)
 
