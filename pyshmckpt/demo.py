@@ -307,18 +307,12 @@ class Demo:
         started = time.perf_counter()
         deadline = started + INIT_TIMEOUT + 5.0
         for transport in (self.ours, self.theirs):
-            try:
-                transport.process.process_creation_future.result(
-                    timeout=max(0.0, deadline - time.perf_counter())
-                )
-            except (FutureTimeoutError, TimeoutError):  # distinct classes before Python 3.11
-                raise DemoError(
-                    f"the {transport.name} writer process did not start in {INIT_TIMEOUT:.0f} s"
-                ) from None
-            except Exception as exc:
-                raise DemoError(
-                    f"the {transport.name} writer process failed to start: {exc}"
-                ) from exc
+            _outcome(
+                transport.process.process_creation_future,
+                max(0.0, deadline - time.perf_counter()),
+                late=f"the {transport.name} writer process did not start in {INIT_TIMEOUT:.0f} s",
+                failed=f"the {transport.name} writer process failed to start",
+            )
         return time.perf_counter() - started
 
     # -- training -------------------------------------------------------------------------------
@@ -354,16 +348,12 @@ class Demo:
         future: Future[None] = transport.process.write(staged, str(path))
         blocked = time.perf_counter() - started
         del staged  # ours: the slot frees itself once written and no longer referenced
-        try:
-            future.result(timeout=WRITE_TIMEOUT)
-        except (FutureTimeoutError, TimeoutError):  # distinct classes before Python 3.11
-            raise DemoError(
-                f"{transport.name}: checkpoint {path} was not durable after {WRITE_TIMEOUT:.0f} s"
-            ) from None
-        except Exception as exc:
-            raise DemoError(
-                f"{transport.name}: checkpoint {path} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+        _outcome(
+            future,
+            WRITE_TIMEOUT,
+            late=f"{transport.name}: checkpoint {path} was not durable after {WRITE_TIMEOUT:.0f} s",
+            failed=f"{transport.name}: checkpoint {path} failed",
+        )
         durable = time.perf_counter() - started
         high, end = self.monitor.end()
         transport.shm.add_window(window, high, end)
@@ -601,6 +591,16 @@ class Demo:
         if self.created_output:
             shutil.rmtree(self.out, ignore_errors=True)
             self.created_output = False
+
+
+def _outcome(future: Future[Any], timeout: float, *, late: str, failed: str) -> None:
+    """Wait for `future`; a timeout or a failure becomes a DemoError with the given words."""
+    try:
+        future.result(timeout=timeout)
+    except (FutureTimeoutError, TimeoutError):  # distinct classes before Python 3.11
+        raise DemoError(late) from None
+    except Exception as exc:
+        raise DemoError(f"{failed}: {type(exc).__name__}: {exc}") from exc
 
 
 def _close_torch_process(process: Any, abort: bool) -> None:

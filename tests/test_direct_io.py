@@ -174,6 +174,20 @@ def bulk_of(target: Path) -> tuple[int, int]:
     return start, (len(raw) - start) // DIRECT_IO_BLOCK * DIRECT_IO_BLOCK
 
 
+def write_with_fake_direct_io(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, misbehave: Any
+) -> tuple[list[int], list[tuple[int, int]], SafetensorsWriter, int, int]:
+    """Write mixed_state() through fake_direct_io, check the result loads back exactly, and
+    return (O_DIRECT positions attempted, buffered writes, the writer, data start, bulk bytes)."""
+    attempts, buffered = fake_direct_io(monkeypatch, misbehave)
+    state = mixed_state()
+    target, writer = write_directly(tmp_path, state)
+    monkeypatch.undo()
+    check_same(pyshmckpt.load(target), state)
+    start, bulk = bulk_of(target)
+    return attempts, buffered, writer, start, bulk
+
+
 @pytest.mark.parametrize("failure", ["EINVAL", "EOPNOTSUPP", "short"])
 def test_a_later_chunk_refused_or_short_is_finished_with_buffered_writes(tmp_path, monkeypatch, failure):
     order: list[int] = []  # chunk positions in the order their writes were attempted
@@ -191,12 +205,7 @@ def test_a_later_chunk_refused_or_short_is_finished_with_buffered_writes(tmp_pat
         code = getattr(errno, failure)
         raise OSError(code, os.strerror(code))
 
-    attempts, buffered = fake_direct_io(monkeypatch, misbehave)
-    state = mixed_state()
-    target, writer = write_directly(tmp_path, state)
-    monkeypatch.undo()
-    check_same(pyshmckpt.load(target), state)
-    start, bulk = bulk_of(target)
+    attempts, buffered, writer, start, bulk = write_with_fake_direct_io(tmp_path, monkeypatch, misbehave)
     assert len(misbehaved) == 2
     assert sorted(attempts) == [start + pos for pos in range(0, bulk, CHUNK)]  # one try per chunk
     for position, (size, done) in misbehaved.items():  # the rest went through the buffered fd
@@ -211,12 +220,7 @@ def test_a_short_first_write_keeps_o_direct_for_the_other_chunks(tmp_path, monke
         order.append(position)
         return write(DIRECT_IO_BLOCK + 1 if len(order) == 1 else len(data))
 
-    attempts, buffered = fake_direct_io(monkeypatch, misbehave)
-    state = mixed_state()
-    target, writer = write_directly(tmp_path, state)
-    monkeypatch.undo()
-    check_same(pyshmckpt.load(target), state)
-    start, bulk = bulk_of(target)
+    attempts, buffered, writer, start, bulk = write_with_fake_direct_io(tmp_path, monkeypatch, misbehave)
     assert order[0] == start  # the first chunk is written first, before the others start
     assert (start + DIRECT_IO_BLOCK + 1, CHUNK - DIRECT_IO_BLOCK - 1) in buffered
     assert sorted(attempts) == [start + pos for pos in range(0, bulk, CHUNK)]
