@@ -30,7 +30,7 @@ import torch
 from conftest import GIB, MEDIANS, make_state
 
 import pyshmckpt
-from pyshmckpt.commit import fsync_path
+from pyshmckpt.storage.commit import fsync_path
 
 ROUNDS = 7
 

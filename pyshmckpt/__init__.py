@@ -1,46 +1,90 @@
-"""pyshmckpt: async checkpointing of PyTorch training state through pinned shared memory."""
+"""pyshmckpt: async checkpointing of PyTorch training state through pinned shared memory.
+
+The package reads as layers, each importing only from those before it: `shm` (segments, arena,
+slots), `staging` (layout plan, manifest, `ShmStager`), `storage` (files, commit, `load`),
+`transport` (writer process, `CheckpointProcess`), then `checkpointer` (`Checkpointer`),
+`integrations` (framework adapters) and `cli` (the ``pyshmckpt`` command). See
+docs/ARCHITECTURE.md.
+"""
 
 from __future__ import annotations
 
-from .arena import Arena, Slot, SlotState
-from .channel import CheckpointAbortedError, ProtocolError, WriterDiedError
-from .checkpoint_process import CheckpointProcess, CheckpointProcessConfig, CleanupError
 from .checkpointer import Checkpointer
-from .cuda import cuda_available, cuda_compiled
 from .errors import (
+    AccessDeniedError,
     CapacityError,
+    CheckpointAbortedError,
     CheckpointCorruptError,
+    CheckpointKeyError,
+    CheckpointMismatchError,
+    CleanupError,
+    ClosedError,
     CommitError,
+    CommitTimeoutError,
+    ConfigError,
+    ConfigTypeError,
+    ExtensionMissingError,
+    ManifestIndexError,
+    NotSupportedError,
+    PathExistsError,
+    PathNotADirectoryError,
+    PathNotFoundError,
+    PickleNotAllowedError,
     PinningWarning,
+    ProtocolError,
     PyshmckptError,
+    PyshmckptOSError,
+    PyshmckptWarning,
     SlotsBusyError,
     SlotStateError,
     StagerClosedError,
     StagingTimeoutError,
     UnsupportedValueError,
+    WriteTimeoutError,
+    WriterDiedError,
+    WriterError,
+    WriterOSError,
+    WriterShutdownTimeoutError,
+    WriterStartError,
+    WriterStartTimeoutError,
 )
-from .layout import Manifest, TensorEntry
-from .reader import load, verify
-from .stager import ShmStager, StagedHandle
-from .stale import collect_stale_segments
-from .writer_process import WriterError
+from .shm import Arena, Slot, SlotState, collect_stale_segments, cuda_available, cuda_compiled
+from .staging import Manifest, ShmStager, StagedHandle, TensorEntry
+from .storage import load, verify
+from .transport import CheckpointProcess, CheckpointProcessConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccessDeniedError",
     "Arena",
     "CapacityError",
     "CheckpointAbortedError",
     "CheckpointCorruptError",
+    "CheckpointKeyError",
+    "CheckpointMismatchError",
     "CheckpointProcess",
     "CheckpointProcessConfig",
     "Checkpointer",
-    "CommitError",
     "CleanupError",
+    "ClosedError",
+    "CommitError",
+    "CommitTimeoutError",
+    "ConfigError",
+    "ConfigTypeError",
+    "ExtensionMissingError",
     "Manifest",
+    "ManifestIndexError",
+    "NotSupportedError",
+    "PathExistsError",
+    "PathNotADirectoryError",
+    "PathNotFoundError",
+    "PickleNotAllowedError",
     "PinningWarning",
     "ProtocolError",
     "PyshmckptError",
+    "PyshmckptOSError",
+    "PyshmckptWarning",
     "ShmStager",
     "Slot",
     "SlotState",
@@ -51,8 +95,13 @@ __all__ = [
     "StagingTimeoutError",
     "TensorEntry",
     "UnsupportedValueError",
+    "WriteTimeoutError",
     "WriterDiedError",
     "WriterError",
+    "WriterOSError",
+    "WriterShutdownTimeoutError",
+    "WriterStartError",
+    "WriterStartTimeoutError",
     "collect_stale_segments",
     "cuda_available",
     "cuda_compiled",

@@ -1,8 +1,15 @@
-"""Checkpointer: one object to save training state durably and asynchronously, and load it."""
+"""Checkpointer: one object to save training state durably and asynchronously, and load it.
+
+The front door over the layers below: a `ShmStager` stages each save, a `CheckpointProcess`
+hands it to the writer process, which runs a writer from the storage registry and commits the
+checkpoint directory (across ranks too).
+"""
 
 from __future__ import annotations
 
+import errno
 import itertools
+import logging
 import os
 import re
 import secrets
@@ -11,10 +18,12 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from . import commit, tree_codec
-from .checkpoint_process import CheckpointProcess, CheckpointProcessConfig
-from .errors import PyshmckptError
-from .stager import ShmStager
+from .errors import ClosedError, ConfigError, ConfigTypeError, os_error
+from .staging import ShmStager
+from .storage import commit, tree_codec, writer_spec
+from .transport import CheckpointProcess, CheckpointProcessConfig
+
+logger = logging.getLogger(__name__)
 
 
 class _RankInfo:
@@ -40,9 +49,9 @@ def _place(rank: int | None, world_size: int | None) -> tuple[int, int]:
             world_size = dist.get_world_size() if initialized else 1
     for what, value in (("rank", rank), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+            raise ConfigTypeError(f"{what} must be an int, not {type(value).__name__}")
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside world size {world_size}")
+        raise ConfigError(f"rank {rank} is outside world size {world_size}")
     return rank, world_size
 
 
@@ -50,14 +59,14 @@ def _run_id(given: str | None, world_size: int) -> str:
     """The run id every rank agrees on (see Checkpointer's run_id)."""
     if given is not None:
         if not isinstance(given, str) or not re.fullmatch(r"[A-Za-z0-9_]{1,64}", given):
-            raise ValueError(f"run_id must be 1-64 letters, digits or '_', not {given!r}")
+            raise ConfigError(f"run_id must be 1-64 letters, digits or '_', not {given!r}")
         return given
     if world_size == 1:
         return "local"
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
+        raise ConfigError(
             "several ranks need a run id they agree on: initialize torch.distributed, or pass the "
             "same run_id=... on every rank"
         )
@@ -68,16 +77,6 @@ def _run_id(given: str | None, world_size: int) -> str:
 
 def _check_plain(manifest: Any) -> None:
     tree_codec.check_plain(manifest.tree)
-
-
-def _writer(name: str) -> Any:
-    from .file_writer import SafetensorsWriter
-    from .writers import DcpWriter, TorchSaveWriter
-
-    writers = {"safetensors": SafetensorsWriter, "torch": TorchSaveWriter, "dcp": DcpWriter}
-    if name not in writers:
-        raise ValueError(f"unknown writer {name!r}; choose one of {sorted(writers)}")
-    return writers[name]
 
 
 class Checkpointer:
@@ -91,7 +90,8 @@ class Checkpointer:
 
     Args:
         root: an existing, writable directory.
-        writer: "safetensors" (default: ``rankN.safetensors`` + ``rankN.json``, read by
+        writer: a name from the storage registry (``pyshmckpt.storage.writer_names()``):
+            "safetensors" (default: ``rankN.safetensors`` + ``rankN.json``, read by
             ``pyshmckpt.load``), "torch" (torch.save, ``checkpoint_N.pt``) or "dcp".
         slots: shared-memory slots (2: stage the next save while one is written).
         keep_last: keep only this many committed checkpoints.
@@ -130,38 +130,29 @@ class Checkpointer:
     ) -> None:
         self._closed = True
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-            raise ValueError(f"keep_last must be a positive int or None, not {keep_last!r}")
+            raise ConfigError(f"keep_last must be a positive int or None, not {keep_last!r}")
         self.root = Path(root)
-        writer_cls = _writer(writer)
+        spec = writer_spec(writer)
         self._allow_pickle = bool(allow_pickle)
         self.rank, self.world_size = _place(rank, world_size)
-        if writer == "dcp" and self.world_size > 1:
-            raise NotImplementedError(
-                "the dcp writer is single-process; across ranks use torch.distributed.checkpoint."
-                "async_save with pyshmckpt.ShmStager, or the safetensors or torch writer"
-            )
         if isinstance(barrier_timeout, bool) or not isinstance(barrier_timeout, (int, float)) or barrier_timeout <= 0:
-            raise ValueError(f"barrier_timeout must be a positive number, not {barrier_timeout!r}")
+            raise ConfigError(f"barrier_timeout must be a positive number, not {barrier_timeout!r}")
+        writer_args = spec.arguments(
+            keep_last=keep_last, world_size=self.world_size, barrier_timeout=barrier_timeout,
+            allow_pickle=self._allow_pickle, direct_io=direct_io,
+        )  # fmt: skip
         if self.rank == 0 and self.root.is_dir():
             commit.clean_leftovers(self.root)  # other ranks' temporaries may be in progress
         self._run_id = _run_id(run_id, self.world_size)
         self._attempts = itertools.count(1)
-        writer_args: dict[str, Any] = {"keep_last": keep_last}
-        if self.world_size > 1:
-            writer_args["barrier_timeout"] = float(barrier_timeout)
-        if writer == "safetensors":
-            writer_args["allow_pickle"] = self._allow_pickle
-            writer_args["direct_io"] = bool(direct_io)
-        elif direct_io:
-            raise ValueError(f"direct_io applies to the safetensors writer, not {writer!r}")
-        plain_only = writer == "safetensors" and not self._allow_pickle
+        plain_only = spec.needs_plain_leaves and not self._allow_pickle
         self._stager = ShmStager(
             capacity_bytes=capacity_bytes, slots=slots, validate=_check_plain if plain_only else None
         )
         base = config or CheckpointProcessConfig()
         try:
             self._process = CheckpointProcess(
-                _RankInfo(self.rank, self.world_size), base, _no_init, (), writer_cls, writer_args
+                _RankInfo(self.rank, self.world_size), base, _no_init, (), spec.factory, writer_args
             )
         except BaseException:
             self._stager.close()
@@ -183,7 +174,7 @@ class Checkpointer:
         name, or leaves that need pickle when it is not allowed.
         """
         if self._closed:
-            raise PyshmckptError("Checkpointer is closed")
+            raise ClosedError("Checkpointer is closed")
         commit.check_root(self.root)
         if name is None:
             name = f"step-{next(self._names):08d}"
@@ -192,7 +183,7 @@ class Checkpointer:
         commit.check_name(name)
         target = self.root / name
         if target.exists() or target.is_symlink():
-            raise FileExistsError(f"checkpoint {target} already exists")
+            raise os_error(errno.EEXIST, f"checkpoint {target} already exists", str(target))
         staged = self._stager.stage(state_dict)
         extra = {"attempt": f"{self._run_id}.{next(self._attempts)}"} if self.world_size > 1 else {}
         written = self._process.write(staged, str(target), **extra)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from .errors import ConfigError
+
 _MIB = 1 << 20
 
 
@@ -14,9 +16,9 @@ def _env_int(name: str, default: int, minimum: int) -> int:
     try:
         value = int(raw, 0)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
     if value < minimum:
-        raise ValueError(f"{name}={value} must be at least {minimum}")
+        raise ConfigError(f"{name}={value} must be at least {minimum}")
     return value
 
 
@@ -27,9 +29,9 @@ def _env_float(name: str, default: float, minimum: float) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
     if value < minimum:
-        raise ValueError(f"{name}={value} must be at least {minimum}")
+        raise ConfigError(f"{name}={value} must be at least {minimum}")
     return value
 
 
@@ -47,7 +49,7 @@ def alignment() -> int:
     """PYSHMCKPT_ALIGNMENT: byte alignment of every staged storage block (default 64)."""
     value = _env_int("PYSHMCKPT_ALIGNMENT", 64, 16)
     if value & (value - 1):
-        raise ValueError(f"PYSHMCKPT_ALIGNMENT={value} must be a power of two")
+        raise ConfigError(f"PYSHMCKPT_ALIGNMENT={value} must be a power of two")
     return value
 
 
@@ -75,7 +77,7 @@ def segment_prefix() -> str:
     """PYSHMCKPT_SEGMENT_PREFIX: name prefix of our /dev/shm segments (default "pyshmckpt")."""
     prefix = os.environ.get("PYSHMCKPT_SEGMENT_PREFIX") or "pyshmckpt"
     if "/" in prefix:
-        raise ValueError(f"PYSHMCKPT_SEGMENT_PREFIX={prefix!r} must not contain '/'")
+        raise ConfigError(f"PYSHMCKPT_SEGMENT_PREFIX={prefix!r} must not contain '/'")
     return prefix
 
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import pyshmckpt
-from pyshmckpt import Checkpointer, CheckpointProcessConfig, commit
+from pyshmckpt import Checkpointer, CheckpointProcessConfig
+from pyshmckpt.storage import commit
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = Path(pyshmckpt.__file__).resolve().parent.parent
@@ -136,3 +137,19 @@ def small_tmpfs(path: Path, size: str = "2m") -> Iterator[Path]:
         gc.collect()  # loaded tensors map files of this file system
         if subprocess.run(["umount", str(path)], capture_output=True, timeout=30).returncode != 0:
             subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
+
+
+def buffer_bases(buffer: Any) -> Callable[[torch.dtype], torch.Tensor]:
+    """``bases`` for pyshmckpt.staging.manifest.rebuild over any writable buffer (an attached
+    segment, a bytearray), zero-copy; the tensors keep the buffer exported while they live."""
+    raw = torch.frombuffer(buffer, dtype=torch.uint8)
+    cache: dict[torch.dtype, torch.Tensor] = {torch.uint8: raw}
+
+    def bases(dtype: torch.dtype) -> torch.Tensor:
+        base = cache.get(dtype)
+        if base is None:
+            count = raw.numel() // dtype.itemsize
+            base = cache[dtype] = raw[: count * dtype.itemsize].view(dtype)
+        return base
+
+    return bases

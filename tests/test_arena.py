@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pyshmckpt import Arena, SlotsBusyError, SlotState, SlotStateError, StagerClosedError
-from pyshmckpt.arena import _TRANSITIONS
+from pyshmckpt.shm.arena import _TRANSITIONS
 
 MIB = 1 << 20
 

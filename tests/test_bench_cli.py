@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pyshmckpt import bench_runner
+from pyshmckpt.cli import bench as bench_runner
 from helpers import HERE, child_env
 
 SUITE = HERE.parent / "bench"

@@ -44,7 +44,8 @@ from helpers import (
 )
 
 import pyshmckpt
-from pyshmckpt import WriterDiedError, commit
+from pyshmckpt import WriterDiedError
+from pyshmckpt.storage import commit
 
 # Kills: at least MIN_ITERATIONS, more (up to MAX_ITERATIONS) while under BUDGET seconds. Each
 # costs a trainer start (python, torch, the writer's spawn: 4-5 s here, twice that under

@@ -16,8 +16,11 @@ import torch
 from safetensors.torch import load_file
 
 import pyshmckpt
-from pyshmckpt import ShmStager, file_writer
-from pyshmckpt.file_writer import BLOCK_PREFIX, DIRECT_IO_BLOCK, SafetensorsWriter, plan_file
+from pyshmckpt import ShmStager
+from pyshmckpt.shm import SlotMapping
+from pyshmckpt.staging import layout
+from pyshmckpt.storage import safetensors_writer as file_writer
+from pyshmckpt.storage.safetensors_writer import BLOCK_PREFIX, DIRECT_IO_BLOCK, SafetensorsWriter, plan_file
 from helpers import SAVE_TIMEOUT, opened, same_bytes
 
 
@@ -64,7 +67,7 @@ def write_directly(tmp_path: Path, state: dict[str, Any], **kwargs: Any) -> tupl
         staged = stager.stage(state)
         handle = stager.handle(staged)
         target = tmp_path / "ck"
-        writer.write_slot(str(target), handle.slot.segment, handle.slot.offset, handle.manifest)
+        writer.write_slot(str(target), SlotMapping(handle.slot.segment, handle.slot.offset), handle.manifest)
         del staged
     return target, writer
 
@@ -260,7 +263,7 @@ def test_other_o_direct_errors_fail_the_write_and_leave_nothing(tmp_path, monkey
 
 def test_mirror_plan_tiles_the_slot_in_order():
     state = mixed_state()
-    manifest = pyshmckpt.layout.plan(state).manifest
+    manifest = layout.plan(state).manifest
     plan = plan_file(manifest, mirror_slot=True)
     cursor = 0
     for entry, (source, size) in zip(plan.entries, plan.sources, strict=True):
@@ -293,7 +296,7 @@ def write_after_stale_stage(tmp_path: Path, name: str, stale: float, state: dict
         staged = stager.stage(state)
         handle = stager.handle(staged)
         target = tmp_path / name
-        writer.write_slot(str(target), handle.slot.segment, handle.slot.offset, handle.manifest)
+        writer.write_slot(str(target), SlotMapping(handle.slot.segment, handle.slot.offset), handle.manifest)
         del staged
     return target
 

@@ -9,7 +9,10 @@ import pytest
 import torch
 
 import pyshmckpt
-from pyshmckpt import _C, layout
+from helpers import buffer_bases
+
+from pyshmckpt import _C
+from pyshmckpt.staging.manifest import rebuild
 from conftest import train_step
 from helpers import same_bytes
 
@@ -77,7 +80,7 @@ def _attach_and_digest(name: str, capacity: int, token: bytes, offset: int, mani
     segment = _C.Segment.attach(name, capacity, token)
     manifest = pickle.loads(manifest_bytes)
     view = memoryview(segment)
-    staged = layout.rebuild(manifest, layout.buffer_bases(view), offset)
+    staged = rebuild(manifest, buffer_bases(view), offset)
     digest = _digest(staged)
     aliased = staged["model"]["embed.weight"].data_ptr() == staged["model"]["head.weight"].data_ptr()
     queue.put((digest, aliased, staged["step"]))

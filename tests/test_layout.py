@@ -1,7 +1,7 @@
 """Layout of state dicts in a slot (pyshmckpt/layout.py): plan(), Manifest, rebuild().
 
 Most tests run a plan into an ordinary byte buffer (``execute`` below does what the stager does:
-byte copies for the host entries, torch copies for the gathers, then ``layout.rebuild``), so the
+byte copies for the host entries, torch copies for the gathers, then ``rebuild``), so the
 layout is tested on its own; the ``stager`` tests repeat the important cases through the real
 ShmStager and its shared-memory slots.
 
@@ -28,7 +28,21 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pyshmckpt import SlotState, TensorEntry, UnsupportedValueError, knobs, layout
+from helpers import buffer_bases as bytes_bases
+
+from pyshmckpt import SlotState, TensorEntry, UnsupportedValueError, knobs
+from pyshmckpt.staging import layout
+from pyshmckpt.staging.manifest import (
+    DTYPES,
+    PARAMETER,
+    REQUIRES_GRAD,
+    Manifest,
+    build,
+    contiguous_stride,
+    dtype_name,
+    make_tensors,
+    rebuild,
+)
 
 # torch warns once per process that ComplexHalf support is experimental (on the first complex32
 # tensor, here or in a slot's rebuild base) and that quantized dtypes are deprecated (on the first
@@ -41,7 +55,7 @@ pytestmark = [
 
 SLOT_OFFSET = 192  # where the slot starts in the helper's buffer (64-aligned, like a real slot)
 QUANTIZED_DTYPES = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
-ALL_DTYPE_NAMES = sorted(layout.DTYPES)
+ALL_DTYPE_NAMES = sorted(DTYPES)
 # Dtypes for which torch itself can copy a non-dense tensor (needed for gathered views).
 COPYABLE_DTYPES = [
     torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16,
@@ -182,7 +196,7 @@ def assert_identity_and_aliasing(got: Any, want: Any, plan: layout.StagingPlan) 
 
 
 def buffer_bases(storage: torch.UntypedStorage):
-    """``bases`` for layout.rebuild: one 1-D tensor per dtype over the whole storage."""
+    """``bases`` for rebuild: one 1-D tensor per dtype over the whole storage."""
     cache: dict[torch.dtype, torch.Tensor] = {}
 
     def bases(dtype: torch.dtype) -> torch.Tensor:
@@ -214,10 +228,10 @@ def execute(plan: layout.StagingPlan, slot_offset: int = SLOT_OFFSET) -> tuple[A
     with torch.no_grad():
         for index, source in plan.gathers:
             base = bases(source.dtype)
-            stride = layout.contiguous_stride(tuple(source.shape))
+            stride = contiguous_stride(tuple(source.shape))
             element = (slot_offset + int(manifest.offset[index])) // source.dtype.itemsize
             base.as_strided(source.shape, stride, element).copy_(source)
-    return layout.rebuild(manifest, bases, slot_offset), buf
+    return rebuild(manifest, bases, slot_offset), buf
 
 
 def extent_bytes(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:
@@ -255,7 +269,7 @@ def check_plan(plan: layout.StagingPlan) -> None:
 
     # Every tensor with elements lies inside its block, aligned for its dtype.
     for i, entry in enumerate(m.entries()):
-        itemsize = layout.DTYPES[entry.dtype].itemsize
+        itemsize = DTYPES[entry.dtype].itemsize
         source = plan.sources[i]
         same(entry.nbytes, source.numel() * itemsize, f"nbytes of tensor {i}")
         if entry.nbytes == 0:
@@ -296,7 +310,7 @@ def check_plan(plan: layout.StagingPlan) -> None:
     for index, source in plan.gathers:
         check(plan.sources[index] is source, f"gather {index} is not source {index}")
         entry = m.entry(index)
-        same(entry.stride, layout.contiguous_stride(entry.shape), f"stride of gathered {index}")
+        same(entry.stride, contiguous_stride(entry.shape), f"stride of gathered {index}")
         same(int(m.blocks[entry.block, 1]), entry.nbytes, f"block bytes of gathered {index}")
         same(entry.offset, int(m.blocks[entry.block, 0]), f"offset of gathered {index}")
 
@@ -309,7 +323,7 @@ def check_plan(plan: layout.StagingPlan) -> None:
         )
 
 
-def check_gaps_zeroed(manifest: layout.Manifest, buf: torch.Tensor, slot_offset: int) -> None:
+def check_gaps_zeroed(manifest: Manifest, buf: torch.Tensor, slot_offset: int) -> None:
     """Every byte of [0, manifest.size) outside the blocks is zero in a buffer `execute` filled
     (it starts as a poison pattern, as a slot starts with an earlier stage's bytes)."""
     covered = torch.zeros(manifest.size, dtype=torch.bool)
@@ -342,7 +356,7 @@ def stage_and_check(stager, state_dict: Any) -> Any:
     return staged
 
 
-def assert_manifests_equal(a: layout.Manifest, b: layout.Manifest) -> None:
+def assert_manifests_equal(a: Manifest, b: Manifest) -> None:
     same(a.tree, b.tree, "manifest tree")
     same(a.dtypes, b.dtypes, "manifest dtypes")
     same(a.size, b.size, "manifest size")
@@ -377,7 +391,7 @@ def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> 
 
 
 def make_or_skip(name: str, shape: tuple[int, ...] = (4, 6), seed: int = 0) -> torch.Tensor:
-    dtype = layout.DTYPES[name]
+    dtype = DTYPES[name]
     try:
         with quiet():
             return random_tensor(dtype, shape, seed)
@@ -404,7 +418,7 @@ def dense_views(x: torch.Tensor) -> dict[str, torch.Tensor]:
 def test_every_dtype_round_trips_bitwise(name):
     x = make_or_skip(name)
     state = {"dense": dense_views(x), "other": make_or_skip(name, (7,), seed=1)}
-    if layout.DTYPES[name] in QUANTIZED_DTYPES:
+    if DTYPES[name] in QUANTIZED_DTYPES:
         # Without its quantizer a quantized dtype cannot be restored: refused up front.
         with pytest.raises(UnsupportedValueError, match="quantized"):
             layout.plan(state)
@@ -412,7 +426,7 @@ def test_every_dtype_round_trips_bitwise(name):
     plan = layout.plan(state)
     same(plan.gathers, [], "gathers for dense views")
     staged = roundtrip(state)
-    same(layout.dtype_name(staged["other"].dtype), name, "dtype name")
+    same(dtype_name(staged["other"].dtype), name, "dtype name")
     for key, view in state["dense"].items():
         same(staged["dense"][key].stride(), view.stride(), f"stride of {key}")
     # Views of one tensor come back as views of one block, placed as in the source.
@@ -430,7 +444,7 @@ def test_every_dtype_round_trips_bitwise(name):
 def test_every_dtype_round_trips_through_the_stager(stager, name):
     x = make_or_skip(name)
     state = {"dense": dense_views(x), "other": make_or_skip(name, (7,), seed=1)}
-    if layout.DTYPES[name] in QUANTIZED_DTYPES:
+    if DTYPES[name] in QUANTIZED_DTYPES:
         with pytest.raises(UnsupportedValueError, match="quantized"):
             stager.stage(state)
         check(stager.arena is None or stager.arena.idle(), "no slot was taken")
@@ -465,7 +479,7 @@ def test_float_nans_signed_zeros_and_infinities_keep_their_bits():
     )
 
 
-@pytest.mark.parametrize("dtype", COPYABLE_DTYPES, ids=layout.dtype_name)
+@pytest.mark.parametrize("dtype", COPYABLE_DTYPES, ids=dtype_name)
 def test_non_dense_views_are_gathered_densely(dtype):
     x = random_tensor(dtype, (6, 8), seed=3)
     state = {
@@ -577,7 +591,7 @@ def test_a_small_view_of_a_large_storage_stages_only_what_it_reaches():
     same(staged["tail"].tolist(), [float((1 << 20) - k) for k in (3, 2, 1)], "tail values")
 
 
-@pytest.mark.parametrize("dtype", COMPLEX_DTYPES, ids=layout.dtype_name)
+@pytest.mark.parametrize("dtype", COMPLEX_DTYPES, ids=dtype_name)
 def test_lazy_conj_views_materialize(dtype):
     z = torch.randn(4, 5, dtype=torch.complex128).to(dtype)
     check(z.conj().is_conj(), "torch did not make a lazy conj view")
@@ -919,9 +933,9 @@ def test_parameters_and_requires_grad_are_kept():
     }
     m = layout.plan(state).manifest
     flags = dict(zip(state, m.flags.tolist(), strict=True))
-    same(flags["param"], layout.PARAMETER | layout.REQUIRES_GRAD, "flags of a parameter")
-    same(flags["frozen"], layout.PARAMETER, "flags of a frozen parameter")
-    same(flags["grad"], layout.REQUIRES_GRAD, "flags of a tensor that requires grad")
+    same(flags["param"], PARAMETER | REQUIRES_GRAD, "flags of a parameter")
+    same(flags["frozen"], PARAMETER, "flags of a frozen parameter")
+    same(flags["grad"], REQUIRES_GRAD, "flags of a tensor that requires grad")
     same(flags["plain"], 0, "flags of a plain tensor")
     staged = roundtrip(state)
     same(type(staged["param"]), torch.nn.Parameter, "parameter type")
@@ -1015,7 +1029,7 @@ def test_block_alignment_and_disjoint_blocks():
     sizes = [1, 3, 7, 15, 16, 17, 63, 64, 65, 100]
     dtypes = [torch.uint8, torch.float16, torch.float32, torch.float64, torch.complex128]
     state = {
-        f"{layout.dtype_name(d)}_{n}": random_tensor(d, (n,), seed=n) for d in dtypes for n in sizes
+        f"{dtype_name(d)}_{n}": random_tensor(d, (n,), seed=n) for d in dtypes for n in sizes
     }
     state["odd_view"] = torch.arange(100, dtype=torch.uint8)[3:10]
     plan = layout.plan(state)
@@ -1084,12 +1098,12 @@ def test_manifest_pickles_and_rebuilds_the_same():
     plan = layout.plan(state)
     m = plan.manifest
     clone = pickle.loads(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL))
-    check(isinstance(clone, layout.Manifest), "unpickled type")
+    check(isinstance(clone, Manifest), "unpickled type")
     assert_manifests_equal(clone, m)
     same(clone.paths(), m.paths(), "paths after pickling")
     same(clone.entries(), m.entries(), "entries after pickling")
     staged, buf = execute(plan)
-    again = layout.rebuild(clone, buffer_bases(buf.untyped_storage()), SLOT_OFFSET)
+    again = rebuild(clone, buffer_bases(buf.untyped_storage()), SLOT_OFFSET)
     assert_same(again, state)
     assert_same(again, staged)
     assert_identity_and_aliasing(again, state, plan)
@@ -1116,11 +1130,11 @@ def test_entries_and_paths_agree_with_the_columns():
         ndim = int(m.ndim[i])
         same(entry.path, m.paths()[i], f"path of {i}")
         same(entry.dtype, m.dtypes[int(m.dtype[i])], f"dtype of {i}")
-        same(entry.dtype, layout.dtype_name(source.dtype), f"dtype name of {i}")
+        same(entry.dtype, dtype_name(source.dtype), f"dtype name of {i}")
         same(entry.shape, tuple(source.shape), f"shape of {i}")
         same(entry.shape, tuple(m.shapes[pos : pos + ndim].tolist()), f"shape column of {i}")
         same(entry.stride, tuple(m.strides[pos : pos + ndim].tolist()), f"stride column of {i}")
-        want_stride = layout.contiguous_stride(entry.shape) if i in gathered else source.stride()
+        want_stride = contiguous_stride(entry.shape) if i in gathered else source.stride()
         same(entry.stride, want_stride, f"stride of {i}")
         same(entry.offset, int(m.offset[i]), f"offset of {i}")
         same(entry.nbytes, source.numel() * source.element_size(), f"nbytes of {i}")
@@ -1171,9 +1185,9 @@ def test_make_tensors_with_a_buffer_per_block():
             return torch.empty(0, dtype=dtype), 0
         return buffers[block].view(dtype), int(m.blocks[block, 0])
 
-    tensors = layout.make_tensors(m, base)
+    tensors = make_tensors(m, base)
     same(len(tensors), len(m), "number of tensors")
-    staged = layout.build(m.tree, tensors)
+    staged = build(m.tree, tensors)
     assert_same(staged, state)
     check(staged["xt"].data_ptr() == staged["x"].data_ptr(), "transposed view shares its block")
 
@@ -1182,7 +1196,7 @@ def test_build_substitutes_tensors():
     state = {"a": [torch.ones(1), (torch.ones(2),)], "b": Point(1, torch.ones(3))}
     m = layout.plan(state).manifest
     replacements = [torch.full((1,), 1.0), torch.full((2,), 2.0), torch.full((3,), 3.0)]
-    out = layout.build(m.tree, replacements)
+    out = build(m.tree, replacements)
     check(out["a"][0] is replacements[0], "first tensor")
     check(out["a"][1][0] is replacements[1], "second tensor")
     check(out["b"].y is replacements[2], "third tensor")
@@ -1191,27 +1205,25 @@ def test_build_substitutes_tensors():
 
 @pytest.mark.parametrize("shape", [(), (0,), (5,), (2, 3), (2, 0, 4), (3, 1, 2), (0, 0), (1, 1, 1)])
 def test_contiguous_stride_matches_torch(shape):
-    same(layout.contiguous_stride(shape), torch.empty(shape).stride(), f"stride of {shape}")
+    same(contiguous_stride(shape), torch.empty(shape).stride(), f"stride of {shape}")
 
 
 def test_dtype_names():
-    for name, dtype in layout.DTYPES.items():
-        same(layout.dtype_name(dtype), name, "dtype_name")
-        check(layout.DTYPES[layout.dtype_name(dtype)] is dtype, "DTYPES lookup")
+    for name, dtype in DTYPES.items():
+        same(dtype_name(dtype), name, "dtype_name")
+        check(DTYPES[dtype_name(dtype)] is dtype, "DTYPES lookup")
     for dtype in (torch.float32, torch.bfloat16, torch.complex32, torch.float8_e4m3fn, torch.bool):
-        check(layout.dtype_name(dtype) in layout.DTYPES, f"{dtype} missing from DTYPES")
-    same(layout.dtype_name(torch.half), "float16", "alias")
+        check(dtype_name(dtype) in DTYPES, f"{dtype} missing from DTYPES")
+    same(dtype_name(torch.half), "float16", "alias")
 
 
 def test_buffer_bases_over_a_bytearray():
-    if not hasattr(layout, "buffer_bases"):
-        pytest.skip("layout.buffer_bases is not part of this version")
     state = manifest_state()
     plan = layout.plan(state)
     m = plan.manifest
     staged, buf = execute(plan)
     data = bytearray(bytes(buf.numpy().tobytes()))
-    again = layout.rebuild(m, layout.buffer_bases(data), SLOT_OFFSET)
+    again = rebuild(m, bytes_bases(data), SLOT_OFFSET)
     assert_same(again, state)
 
 
@@ -1349,9 +1361,9 @@ def test_a_failed_plan_stages_nothing(stager, kind):
         pytest.param(lambda: random_tensor(torch.qint8, (3,)), id="qint8-dtype-plain-tensor"),
         pytest.param(lambda: random_tensor(torch.quint8, (2, 2)).t(), id="quint8-transposed"),
         pytest.param(
-            lambda: random_tensor(layout.DTYPES["uint4"], (4, 4))[:, ::2], id="uint4-strided"
+            lambda: random_tensor(DTYPES["uint4"], (4, 4))[:, ::2], id="uint4-strided"
         ),
-        pytest.param(lambda: random_tensor(layout.DTYPES["int3"], (6,))[::3], id="int3-strided"),
+        pytest.param(lambda: random_tensor(DTYPES["int3"], (6,))[::3], id="int3-strided"),
     ],
 )
 def test_plan_accepts_only_what_can_be_staged(stager, make):

@@ -20,7 +20,8 @@ import torch
 
 import pyshmckpt
 from pyshmckpt import Checkpointer, CommitError, cli
-from pyshmckpt.file_writer import file_names
+from pyshmckpt.storage import reader
+from pyshmckpt.storage.safetensors_writer import file_names
 from helpers import (
     SAVE_TIMEOUT,
     failure_of,
@@ -68,7 +69,7 @@ def test_every_rank_writes_its_files_into_one_committed_checkpoint(tmp_path):
             assert same_bytes(loaded["model"]["w"], rank_state(r, 1)["model"]["w"])
             assert loaded["rank"] == r and loaded["step"] == 1
             assert json.loads((checkpoint / f"rank{r}.json").read_text())["world_size"] == 3
-        assert pyshmckpt.reader.ranks(checkpoint) == [0, 1, 2]
+        assert reader.ranks(checkpoint) == [0, 1, 2]
         assert all(ck.latest() == checkpoint for ck in cks)
 
         # Automatic names agree when every rank saves equally often.

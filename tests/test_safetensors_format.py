@@ -1,4 +1,4 @@
-"""pyshmckpt.safetensors_format: dtype codes, build_header, and strict header parsing.
+"""pyshmckpt.storage.safetensors_header: dtype codes, build_header, and strict header parsing.
 
 Interoperability tests check our headers against the reference `safetensors` package (they skip
 where it is not installed); the hostile-input and property tests check that parsing raises
@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pyshmckpt.errors import CheckpointCorruptError
-from pyshmckpt.safetensors_format import (
+from pyshmckpt.storage.safetensors_header import (
     CODE_TO_DTYPE,
     DTYPE_TO_CODE,
     Header,
@@ -578,7 +578,7 @@ def test_header_entry_and_header_are_frozen():
 
 
 def test_module_is_documented():
-    import pyshmckpt.safetensors_format as m
+    import pyshmckpt.storage.safetensors_header as m
 
     assert m.__doc__
     for name in m.__all__:

@@ -21,6 +21,7 @@ from pyshmckpt import (
     StagerClosedError,
     UnsupportedValueError,
 )
+from pyshmckpt.staging import stager as stager_module
 
 MIB = 1 << 20
 
@@ -197,7 +198,7 @@ def test_failure_during_copy_frees_the_slot(stager, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected copy failure")
 
-    monkeypatch.setattr(pyshmckpt.layout, "rebuild", broken)
+    monkeypatch.setattr(stager_module, "rebuild", broken)
     with pytest.raises(RuntimeError, match="injected"):
         stager.stage(state())
     monkeypatch.undo()

@@ -48,10 +48,13 @@ from pyshmckpt import (
     ProtocolError,
     WriterDiedError,
     WriterError,
-    stale,
-    writer_process,
+    WriterStartError,
+    WriterStartTimeoutError,
+    WriteTimeoutError,
 )
-from pyshmckpt.channel import Kind, Request
+from pyshmckpt.shm import stale
+from pyshmckpt.transport import parent as writer_process
+from pyshmckpt.transport.channel import Kind, Request
 
 SPAWN_TIMEOUT = 60.0  # a real spawn takes 1-3 s here; generous for loaded machines
 
@@ -459,7 +462,8 @@ def test_write_timeout_kills_the_writer_first_then_the_next_writes_restart(make_
         wait_until(lambda: proc_state(old) == "T", 5, "the writer to stop itself")
 
     exc = failure_of(first, 15)
-    assert type(exc) is TimeoutError, repr(exc)
+    assert isinstance(exc, (WriteTimeoutError, WriterStartTimeoutError)), repr(exc)
+    assert isinstance(exc, TimeoutError), repr(exc)
     assert "timed out" in str(exc)
     assert "killed" in str(exc)
     assert "signal SIGKILL" in str(exc)
@@ -539,7 +543,8 @@ def test_init_failure_carries_the_child_traceback(make_cp, tmp_path, where):
         cp = make_cp(mode="fail_init")
         expected = ["LookupError: RecordingWriter cannot find its storage backend", "in __init__"]
     exc = failure_of(cp.process_creation_future, SPAWN_TIMEOUT)
-    assert type(exc) is RuntimeError, repr(exc)
+    assert type(exc) is WriterStartError, repr(exc)
+    assert isinstance(exc, RuntimeError), repr(exc)
     text = str(exc)
     assert "Traceback (most recent call last)" in text
     for part in expected:
@@ -558,7 +563,8 @@ def test_init_failure_carries_the_child_traceback(make_cp, tmp_path, where):
 def test_init_that_exits_is_reported_with_its_exit_code(make_cp, tmp_path):
     cp = make_cp(init_fn=init_exit, init_args=(3,))
     exc = failure_of(cp.process_creation_future, SPAWN_TIMEOUT)
-    assert type(exc) is RuntimeError, repr(exc)
+    assert type(exc) is WriterStartError, repr(exc)
+    assert isinstance(exc, RuntimeError), repr(exc)
     assert "exited during initialization" in str(exc)
     assert "exit code 3" in str(exc)
     with pytest.raises(RuntimeError, match="exit code 3"):
@@ -571,7 +577,8 @@ def test_init_timeout(make_cp, tmp_path):
     cp = make_cp(init_fn=init_sleep, init_args=(120,), subprocess_init_timeout_secs=1)
     exc = failure_of(cp.process_creation_future, 15)
     elapsed = time.monotonic() - t0
-    assert type(exc) is TimeoutError, repr(exc)
+    assert isinstance(exc, (WriteTimeoutError, WriterStartTimeoutError)), repr(exc)
+    assert isinstance(exc, TimeoutError), repr(exc)
     assert str(exc).startswith("Timed out"), str(exc)
     assert elapsed < 8.0, f"the init timeout fired after {elapsed:.2f}s"
     pid = cp.pid
@@ -621,12 +628,12 @@ def test_reply_with_the_wrong_generation_is_a_protocol_error(make_cp, tmp_path, 
     old = started(cp)
     real_send = writer_process.send
 
-    def skewed_send(conn: Any, message: Any) -> None:
+    def skewed_send(conn: Any, message: Any) -> bool:
         # Parent side only: the WRITE request that reaches the child carries another generation
         # than the one the parent recorded, so the child's (faithful) reply cannot match it.
         if isinstance(message, Request) and message.kind is Kind.WRITE:
             message = dataclasses.replace(message, generation=message.generation + 1)
-        real_send(conn, message)
+        return real_send(conn, message)
 
     monkeypatch.setattr(writer_process, "send", skewed_send)
     state = make_state(0)
@@ -836,12 +843,13 @@ UNLINKER = textwrap.dedent(
     import os, sys, threading, time
     from pathlib import Path
 
-    from pyshmckpt import writer_process
+    from pyshmckpt.shm import AttachedSegments
+    from pyshmckpt.transport.child import _watch_parent
 
     marker, name = Path(sys.argv[1]), sys.argv[2]
-    attached = writer_process._AttachedSegments()
-    attached.known = {name}
-    writer_process._watch_parent(os.getppid(), attached.unlink_all)  # as writer_main does
+    attached = AttachedSegments()
+    attached._known = {name}
+    _watch_parent(os.getppid(), attached.unlink_all)  # as writer_main does
     real_unlink = os.unlink
     slowed = []
 

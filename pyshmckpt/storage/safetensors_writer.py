@@ -1,6 +1,6 @@
 """The default writer: a standard .safetensors file per rank written straight from the slot.
 
-Runs in the writer subprocess. For each staged storage block the file gets one entry: the
+Runs in the writer subprocess (a `SlotWriter`). For each staged storage block the file gets one entry: the
 tensor itself when one tensor covers the block exactly (the common case: safetensors readers see
 the model's tensors by name), otherwise the block's raw bytes (U8) under a reserved name. Views,
 aliases (tied weights), dtypes safetensors lacks, the container structure and non-tensor leaves
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,8 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from . import _C, commit, layout, tree_codec
-from .safetensors_format import DTYPE_TO_CODE, HeaderEntry, build_header
+from .._log import warn_once
+from ..errors import NotSupportedError
+from ..shm import SlotMapping
+from ..staging import Manifest
+from ..staging import manifest as layout
+from . import commit, tree_codec
+from .safetensors_header import DTYPE_TO_CODE, HeaderEntry, build_header
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "pyshmckpt"
 FORMAT_VERSION = 1
@@ -49,7 +57,7 @@ class FilePlan:
     tensors: list[dict[str, Any]]  # per tensor: entry, offset within it, dtype, shape, stride, flags
 
 
-def plan_file(manifest: layout.Manifest, *, mirror_slot: bool = False) -> FilePlan:
+def plan_file(manifest: Manifest, *, mirror_slot: bool = False) -> FilePlan:
     """Lay the slot's blocks out as safetensors entries (naturally aligned, no gaps).
 
     By default entries with larger items come first, so the data needs no padding. With
@@ -166,7 +174,7 @@ def _write_all(fd: int, buffers: list[memoryview]) -> None:
         pending = rest
 
 
-def _coalesce(view: memoryview, base: int, sources: list[tuple[int, int]]) -> list[memoryview]:
+def _coalesce(view: memoryview, sources: list[tuple[int, int]]) -> list[memoryview]:
     """Slices of the slot for each source range, merging ranges that are adjacent in the slot."""
     merged: list[list[int]] = []
     for start, size in sources:
@@ -174,7 +182,7 @@ def _coalesce(view: memoryview, base: int, sources: list[tuple[int, int]]) -> li
             merged[-1][1] += size
         else:
             merged.append([start, size])
-    return [view[base + start : base + start + size] for start, size in merged]
+    return [view[start : start + size] for start, size in merged]
 
 
 DIRECT_IO_BLOCK = 4096  # O_DIRECT alignment of file offsets, lengths and memory (safe for 512 too)
@@ -185,8 +193,9 @@ DIRECT_IO_THREADS = 4  # pwrites in flight
 class SafetensorsWriter:
     """Writes rank files into ``path`` (a checkpoint directory) and commits it atomically.
 
-    Used in the writer subprocess of ``pyshmckpt.CheckpointProcess``: ``write_slot`` receives
-    the slot itself, so tensor bytes go from shared memory to the file without a copy.
+    A `SlotWriter`, used in the writer subprocess of ``pyshmckpt.CheckpointProcess``:
+    ``write_slot`` receives the slot itself, so tensor bytes go from shared memory to the file
+    without a copy.
 
     With ``direct_io=True`` the file's data is an image of the slot (see ``plan_file``) starting
     at a 4 KiB boundary, and its 4 KiB-aligned bulk is written with O_DIRECT (bypassing the page
@@ -215,18 +224,16 @@ class SafetensorsWriter:
         self.last_direct_bytes = 0
 
     def write(self, path: str, state_dict: Any, **kwargs: Any) -> None:
-        raise TypeError(
+        raise NotSupportedError(
             "SafetensorsWriter writes straight from shared memory: use it with "
             "pyshmckpt.CheckpointProcess (or pyshmckpt.Checkpointer)"
         )
 
-    def write_slot(
-        self, path: str, segment: _C.Segment, offset: int, manifest: layout.Manifest, **kwargs: Any
-    ) -> None:
+    def write_slot(self, path: str, slot: SlotMapping, manifest: Manifest, **kwargs: Any) -> None:
         tree = tree_codec.encode(manifest.tree, allow_pickle=self.allow_pickle)
         commit.commit_directory(
             path,
-            lambda temp: self._write_files(temp, segment, offset, manifest, tree),
+            lambda temp: self._write_files(temp, slot, manifest, tree),
             self.keep_last,
             rank=self.rank,
             world_size=self.world_size,
@@ -234,11 +241,14 @@ class SafetensorsWriter:
             barrier_timeout=self.barrier_timeout,
         )
 
-    def _write_files(
-        self, directory: Path, segment: _C.Segment, offset: int, manifest: layout.Manifest, tree: Any
-    ) -> list[Path]:
+    def close(self) -> None:
+        """Wait (bounded) for old checkpoints that retention is deleting in the background."""
+        if not commit.wait_for_deletions(60.0):
+            logger.warning("old checkpoints were still being deleted after 60 s")
+
+    def _write_files(self, directory: Path, slot: SlotMapping, manifest: Manifest, tree: Any) -> list[Path]:
         try:
-            return self._write_rank_files(directory, segment, offset, manifest, tree)
+            return self._write_rank_files(directory, slot, manifest, tree)
         except BaseException:
             # Free the space at once (a full disk): other ranks may still write into this directory.
             for name in file_names(self.rank):
@@ -246,29 +256,30 @@ class SafetensorsWriter:
                     (directory / name).unlink()
             raise
 
-    def _write_rank_files(
-        self, directory: Path, segment: _C.Segment, offset: int, manifest: layout.Manifest, tree: Any
-    ) -> list[Path]:
-        direct = self.direct_io and (segment.address + offset) % DIRECT_IO_BLOCK == 0
+    def _write_rank_files(self, directory: Path, slot: SlotMapping, manifest: Manifest, tree: Any) -> list[Path]:
+        direct = self.direct_io and slot.address % DIRECT_IO_BLOCK == 0
+        if self.direct_io and not direct:
+            warn_once(logger, "unaligned slot", "slot %s is not %d-byte aligned: writing without O_DIRECT",
+                      slot.name, DIRECT_IO_BLOCK)  # fmt: skip
         plan = plan_file(manifest, mirror_slot=direct)
-        ranges = np.array([[offset + s, n] for s, n in plan.sources], dtype=np.uint64).reshape(-1, 2)
+        ranges = np.array(plan.sources, dtype=np.uint64).reshape(-1, 2)
         st_name, json_name = file_names(self.rank)
         metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION)}
         header = build_header(plan.entries, metadata, alignment=DIRECT_IO_BLOCK if direct else 8)
-        view = memoryview(segment)
+        view = slot.memoryview()
         self.last_direct_bytes = 0
         # Checksums (GIL released, thread pool) run while the file is written.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyshmckpt-crc") as pool:
-            checksums = pool.submit(segment.checksums, ranges)
+            checksums = pool.submit(slot.checksums, ranges)
             try:
                 st_path = directory / st_name
                 fd = os.open(st_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
                 try:
                     if direct:
-                        data = view[offset : offset + manifest.size]
+                        data = view[: manifest.size]
                         self.last_direct_bytes = _write_direct(st_path, fd, memoryview(header), data)
                     else:
-                        _write_all(fd, [memoryview(header), *_coalesce(view, offset, plan.sources)])
+                        _write_all(fd, [memoryview(header), *_coalesce(view, plan.sources)])
                     os.fsync(fd)
                 finally:
                     os.close(fd)
@@ -322,6 +333,7 @@ def _write_direct(path: Path, fd: int, header: memoryview, data: memoryview) -> 
         except OSError as exc:
             if exc.errno not in _DIRECT_REFUSED:
                 raise
+            _refused(exc, "at open")
             dfd = -1
         if dfd >= 0:
             try:
@@ -349,6 +361,7 @@ def _pwrite_chunks(dfd: int, fd: int, data: memoryview, start: int) -> int | Non
     except OSError as exc:
         if exc.errno not in _DIRECT_REFUSED:
             raise
+        _refused(exc, "at the first write")
         return None
     _pwrite_all(fd, first[direct:], start + first_pos + direct)
     with ThreadPoolExecutor(max_workers=DIRECT_IO_THREADS, thread_name_prefix="pyshmckpt-dio") as pool:
@@ -368,9 +381,16 @@ def _pwrite_chunk(dfd: int, fd: int, chunk: memoryview, position: int) -> int:
     except OSError as exc:
         if exc.errno not in _DIRECT_REFUSED:
             raise
+        _refused(exc, "for a later chunk")
         direct = 0
     _pwrite_all(fd, chunk[direct:], position + direct)
     return direct
+
+
+def _refused(exc: OSError, when: str) -> None:
+    reason = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    warn_once(logger, f"O_DIRECT refused {when}: {reason}",
+              "O_DIRECT was refused %s (%s): writing through the page cache instead", when, reason)  # fmt: skip
 
 
 __all__ = ["SafetensorsWriter", "file_names", "plan_file"]

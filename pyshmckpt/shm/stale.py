@@ -7,15 +7,17 @@ exists, or when its pid now belongs to a process that started at another time.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import knobs
+from .. import knobs
 
 SHM_DIR = Path("/dev/shm")
+logger = logging.getLogger(__name__)
 _NAME = re.compile(r"^(?P<prefix>.+)-(?P<pid>\d+)-(?P<nonce>[0-9a-f]{32})$")
 _MAGIC = b"PYSHMCKPT-SEG\x00\x00\x00"
 # SegmentHeader in csrc/segment.h: magic[16], version u32, header_size u32, size u64, token[16],
@@ -97,8 +99,9 @@ def collect_stale_segments(prefix: str | None = None, *, dry_run: bool = False) 
             continue
         if not dry_run:
             try:
-                os.unlink(SHM_DIR / info.name)
+                (SHM_DIR / info.name).unlink()
             except FileNotFoundError:
                 continue  # someone else collected it first
+            logger.info("removed stale segment %s (%s, owner %d)", info.name, info.reason, info.owner_pid)
         removed.append(info)
     return removed

@@ -1,8 +1,14 @@
-"""ShmStager: stages state dicts into shared-memory slots (PyTorch's stager protocols)."""
+"""ShmStager: stages state dicts into shared-memory slots (PyTorch's stager protocols).
+
+Only the arena and this module move a slot through its states. A consumer (the writer
+transport) leases the slot of a staged state dict with `lease_staged` or `ShmStager.stage_leased`
+and gives it back once the writer no longer reads it.
+"""
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import weakref
 from collections.abc import Callable
@@ -12,40 +18,71 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _C, knobs, layout
-from .arena import Arena, Slot, SlotState
-from .cuda import SideStreams
-from .errors import CapacityError, StagerClosedError, StagingTimeoutError
+from .. import _torch_private, knobs
+from ..errors import (
+    CapacityError,
+    ConfigError,
+    ConfigTypeError,
+    SlotStateError,
+    StagerClosedError,
+    StagingTimeoutError,
+)
+from ..shm import Arena, Slot, SlotAddress, SlotState
+from ..shm.native import set_copy_threads
+from . import layout
+from .manifest import Manifest, contiguous_stride, first_tensor_steps, rebuild
+
+logger = logging.getLogger(__name__)
 
 try:  # DCP's protocol (torch >= 2.4)
     from torch.distributed.checkpoint.staging import AsyncStager as _AsyncStager
 except ImportError:  # pragma: no cover - torch built without distributed
     _AsyncStager = object  # type: ignore[assignment,misc]
-try:  # the _experimental checkpointer's protocol (newer torch only)
-    from torch.distributed.checkpoint._experimental.staging import (
-        CheckpointStager as _CheckpointStager,
-    )
-except ImportError:  # pragma: no cover - older torch
-    _CheckpointStager = object  # type: ignore[assignment,misc]
+_CheckpointStager = _torch_private.experimental_or_none("staging", "CheckpointStager") or object
 
-# Every live stager, so that a state dict staged by any of them can be found by its consumer.
+# Every live stager, so that a consumer handed a staged state dict can find the one that staged it.
 _STAGERS: weakref.WeakSet[ShmStager] = weakref.WeakSet()
 
 _bases = tuple(dict.fromkeys(b for b in (_CheckpointStager, _AsyncStager) if b is not object))
 
 
 class StagedHandle:
-    """Where a staged state dict lives: its arena, slot, generation and manifest."""
+    """Where a staged state dict lives: its arena, slot, generation and manifest.
 
-    __slots__ = ("arena", "slot", "generation", "manifest")
+    A handle from `ShmStager.lease` / `stage_leased` (or `lease_staged`) also holds the slot for
+    a write: it is neither freed nor overwritten until `give_back()`.
+    """
 
-    def __init__(self, slot: Slot) -> None:
+    __slots__ = ("arena", "slot", "generation", "manifest", "_stager", "_owned", "_leased")
+
+    def __init__(self, stager: ShmStager, slot: Slot, *, leased: bool = False, owned: bool = False) -> None:
         self.arena = slot.arena
         self.slot = slot
         self.generation = slot.generation
         if slot.manifest is None:
             raise StagerClosedError("the slot holds no staged state dict")
-        self.manifest = slot.manifest
+        self.manifest: Manifest = slot.manifest
+        self._stager = stager
+        self._owned = owned  # staged for this lease alone: freed when given back
+        self._leased = leased
+
+    @property
+    def address(self) -> SlotAddress:
+        """How another process attaches the slot."""
+        return self.slot.address()
+
+    def segments(self) -> list[tuple[str, int, bytes]]:
+        """Every live segment of the stager (see `ShmStager.segments`)."""
+        return self._stager.segments()
+
+    def give_back(self) -> None:
+        """End the lease: the writer no longer reads the slot. A slot staged for the lease alone
+        is free again; one the caller staged is READY again and frees itself once the caller
+        drops (or releases) its staged state dict. Idempotent."""
+        if not self._leased:
+            return
+        self._leased = False
+        self.arena.transition(self.slot, SlotState.FREE if self._owned else SlotState.READY)
 
 
 class ShmStager(*_bases):  # type: ignore[misc]
@@ -86,26 +123,26 @@ class ShmStager(*_bases):  # type: ignore[misc]
         pin: bool | None = None,
         slot_timeout: float | None = None,
         headroom: float | None = None,
-        validate: Callable[[layout.Manifest], None] | None = None,
+        validate: Callable[[Manifest], None] | None = None,
     ) -> None:
         self._closed = True  # until fully constructed, so __del__ has nothing to do
         if capacity_bytes is not None and (
             not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool)
         ):
-            raise TypeError(f"capacity_bytes must be an int or None, not {type(capacity_bytes).__name__}")
+            raise ConfigTypeError(f"capacity_bytes must be an int or None, not {type(capacity_bytes).__name__}")
         if capacity_bytes is not None and capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be positive, not {capacity_bytes}")
+            raise ConfigError(f"capacity_bytes must be positive, not {capacity_bytes}")
         self._slots = knobs.slots() if slots is None else slots
         if not isinstance(self._slots, int) or isinstance(self._slots, bool) or self._slots < 1:
-            raise ValueError(f"slots must be a positive int, not {slots!r}")
+            raise ConfigError(f"slots must be a positive int, not {slots!r}")
         self._slot_timeout = knobs.slot_timeout() if slot_timeout is None else float(slot_timeout)
         if self._slot_timeout < 0:
-            raise ValueError(f"slot_timeout must be >= 0, not {slot_timeout}")
+            raise ConfigError(f"slot_timeout must be >= 0, not {slot_timeout}")
         self._headroom = knobs.headroom() if headroom is None else float(headroom)
         if self._headroom < 1.0:
-            raise ValueError(f"headroom must be >= 1.0, not {headroom}")
+            raise ConfigError(f"headroom must be >= 1.0, not {headroom}")
         if validate is not None and not callable(validate):
-            raise TypeError(f"validate must be callable or None, not {type(validate).__name__}")
+            raise ConfigTypeError(f"validate must be callable or None, not {type(validate).__name__}")
         self._validate = validate
         self._allow_growth = bool(allow_growth)
         self._pin = pin
@@ -116,12 +153,12 @@ class ShmStager(*_bases):  # type: ignore[misc]
         # The newest arena takes new stages; older ones are closed once idle. The finalizer holds
         # this same list, so it closes whatever is in it at the time.
         self._arenas: list[Arena] = []
-        self._streams = SideStreams()
+        self._streams = _SideStreams()
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[Any] | None = None
         threads = knobs.copy_threads()
         if threads is not None:
-            _C.set_num_threads(threads)
+            set_copy_threads(threads)
         if capacity_bytes is not None:
             self._arenas.append(Arena(capacity_bytes, self._slots, pin=pin))
         if self._async:
@@ -150,13 +187,13 @@ class ShmStager(*_bases):  # type: ignore[misc]
         stager usable. Extra keyword arguments (torch passes some) are accepted and ignored.
         """
         self._check_open()
-        plan = layout.plan(state_dict)  # validation first: nothing is staged for bad input
+        staging_plan = layout.plan(state_dict)  # validation first: nothing is staged for bad input
         if self._validate is not None:
-            self._validate(plan.manifest)
+            self._validate(staging_plan.manifest)
         if self._executor is None:
-            return self._stage_plan(plan)
-        events = self._record_producers(plan)
-        future = self._executor.submit(self._stage_plan, plan, events)
+            return self._staged(staging_plan, None)
+        events = self._record_producers(staging_plan)
+        future = self._executor.submit(self._staged, staging_plan, events)
         self._pending = future
         return future
 
@@ -168,19 +205,45 @@ class ShmStager(*_bases):  # type: ignore[misc]
 
     def handle(self, staged: Any) -> StagedHandle | None:
         """Arena, slot, generation and manifest of a state dict this stager returned, else None."""
+        slot = self._slot_of(staged)
+        return StagedHandle(self, slot) if slot is not None else None
+
+    def lease(self, staged: Any) -> StagedHandle | None:
+        """Hold the slot of `staged` (a state dict this stager returned) for a write until the
+        handle is given back; None when `staged` is not one of this stager's. Raises
+        SlotStateError when it is already leased (being written)."""
+        slot = self._slot_of(staged)
+        if slot is None:
+            return None
+        if slot.state is not SlotState.READY:
+            raise SlotStateError(f"state dict of generation {slot.generation} is already being written")
+        slot.arena.transition(slot, SlotState.WRITING)
+        return StagedHandle(self, slot, leased=True)
+
+    def stage_leased(self, state_dict: Any) -> StagedHandle:
+        """Stage `state_dict` into a slot of its own and lease it: no staged copy is handed out,
+        and giving the handle back frees the slot. Blocking, whatever `async_staging` says."""
+        self._check_open()
+        staging_plan = layout.plan(state_dict)
+        if self._validate is not None:
+            self._validate(staging_plan.manifest)
+        slot, _ = self._stage_plan(staging_plan, None, lease=True)
+        return StagedHandle(self, slot, leased=True, owned=True)
+
+    def _slot_of(self, staged: Any) -> Slot | None:
         for arena in list(self._arenas):
             for slot in arena.find(id(staged)):
                 if _views_slot(staged, slot):
-                    return StagedHandle(slot)
+                    return slot
         return None
 
     def segments(self) -> list[tuple[str, int, bytes]]:
         """(name, data size, token) of every live slot segment, for a process that attaches them."""
         return [
-            (slot.name, slot.segment.size, slot.segment.token)
+            (address.name, address.size, address.token)
             for arena in list(self._arenas)
             if not arena.closed
-            for slot in arena.slots
+            for address in (slot.address() for slot in arena.slots)
         ]
 
     def release(self, staged: Any) -> None:
@@ -248,6 +311,11 @@ class ShmStager(*_bases):  # type: ignore[misc]
                         "and growth is disabled (allow_growth=False)"
                     )
                 capacity = max(int(nbytes * self._headroom), 1)
+                if arena is not None:
+                    logger.info(
+                        "a state dict of %d bytes outgrows the %d-byte slots of %s: "
+                        "moving to a larger arena", nbytes, arena.slot_capacity, arena.name,
+                    )  # fmt: skip
                 arena = Arena(capacity, self._slots, pin=self._pin)
                 self._arenas.append(arena)
             self._collect_retired()
@@ -258,18 +326,32 @@ class ShmStager(*_bases):  # type: ignore[misc]
             for arena in [a for a in self._arenas[:-1] if a.idle()]:
                 arena.close()
                 self._arenas.remove(arena)
+                logger.debug("retired arena %s", arena.name)
+
+    def _staged(self, staging_plan: layout.StagingPlan, producers: dict[int, torch.cuda.Event] | None) -> Any:
+        """Stage into a free slot; return the staged state dict (the slot is READY)."""
+        _, staged = self._stage_plan(staging_plan, producers, lease=False)
+        return staged
 
     def _stage_plan(
-        self, plan: layout.StagingPlan, producers: dict[int, torch.cuda.Event] | None = None
-    ) -> Any:
-        manifest = plan.manifest
+        self,
+        staging_plan: layout.StagingPlan,
+        producers: dict[int, torch.cuda.Event] | None,
+        *,
+        lease: bool,
+    ) -> tuple[Slot, Any]:
+        """Fill a free slot. Leased, it goes straight to WRITING and no staged tensors are built
+        (the consumer reads the slot through the manifest); otherwise it is READY and the staged
+        state dict is returned."""
+        manifest = staging_plan.manifest
         slot = self._slot_for(manifest.size)
         arena = slot.arena
         copies = None
+        staged = None
         try:
-            copies = self._start_copies(plan, slot, producers)
-            # Building the staged tensors overlaps with the copies.
-            staged = layout.rebuild(manifest, slot.base, slot.offset)
+            copies = self._start_copies(staging_plan, slot, producers)
+            if not lease:  # building the staged tensors overlaps with the copies
+                staged = rebuild(manifest, slot.base, slot.offset)
             copies.wait()
         except BaseException as exc:
             if copies is not None:
@@ -277,25 +359,24 @@ class ShmStager(*_bases):  # type: ignore[misc]
             arena.transition(slot, SlotState.FREE)
             raise
         slot.manifest = manifest
-        slot.staged_id = id(staged)
+        slot.staged_id = None if lease else id(staged)
         arena.transition(slot, SlotState.READY)
-        return staged
+        if lease:
+            arena.transition(slot, SlotState.WRITING)
+        return slot, staged
 
     def _start_copies(
-        self, plan: layout.StagingPlan, slot: Slot, producers: dict[int, torch.cuda.Event] | None
+        self, staging_plan: layout.StagingPlan, slot: Slot, producers: dict[int, torch.cuda.Event] | None
     ) -> _Copies:
-        segment = slot.segment
         copies = _Copies(slot)
         try:
-            for device, rows in plan.device.items():
+            for device, rows in staging_plan.device.items():
                 stream = self._wait_producers(device, producers)
-                copies.add_event(
-                    segment.copy_from_device(_shift(rows, slot.offset), stream.cuda_stream, device)
-                )
-            if len(plan.host):
-                copies.host = segment.copy_from_host_async(_shift(plan.host, slot.offset))
-            for index, source in plan.gathers:
-                offset = slot.offset + int(plan.manifest.offset[index])
+                copies.events.append(slot.copy_from_device(rows, stream.cuda_stream, device))
+            if len(staging_plan.host):
+                copies.host = slot.copy_from_host_async(staging_plan.host)
+            for index, source in staging_plan.gathers:
+                offset = int(staging_plan.manifest.offset[index])  # from the slot's start
                 if source.is_cuda:
                     device = source.get_device()
                     stream = self._wait_producers(device, producers)
@@ -304,9 +385,9 @@ class ShmStager(*_bases):  # type: ignore[misc]
                         dense.copy_(source)
                     copies.keepalive.append(dense)
                     row = np.array([[dense.data_ptr(), offset, dense.nbytes]], dtype=np.uint64)
-                    copies.add_event(segment.copy_from_device(row, stream.cuda_stream, device))
+                    copies.events.append(slot.copy_from_device(row, stream.cuda_stream, device))
                 else:
-                    _gather_into(slot, source, offset)
+                    _gather_into(slot, source, slot.offset + offset)
         except BaseException as exc:
             _note_cleanup_error(exc, copies.abandon())
             raise
@@ -334,7 +415,7 @@ def _gather_into(slot: Slot, source: torch.Tensor, offset: int) -> None:
         dtype = bits
         source = source.view(dtype)
     base = slot.base(dtype)
-    stride = layout.contiguous_stride(tuple(source.shape))
+    stride = contiguous_stride(tuple(source.shape))
     with torch.no_grad():  # never tie the slot's base into the source's autograd graph
         base.as_strided(source.shape, stride, offset // base.itemsize).copy_(source.detach())
 
@@ -348,10 +429,6 @@ class _Copies:
         self.events: list[Any] = []
         self.keepalive: list[torch.Tensor] = []
 
-    def add_event(self, event: Any) -> None:
-        self.events.append(event)
-        self.slot.pending.append(event)  # the slot is not reused before these complete
-
     def wait(self) -> None:
         if self.host is not None:
             self.host.wait()
@@ -361,7 +438,6 @@ class _Copies:
                 raise StagingTimeoutError(
                     f"device-to-host copies into {self.slot.name} did not finish in {timeout}s"
                 )
-        self.slot.pending.clear()
         self.keepalive.clear()
 
     def abandon(self) -> BaseException | None:
@@ -385,19 +461,13 @@ def _note_cleanup_error(exc: BaseException, cleanup: BaseException | None) -> No
         exc.args = (*exc.args, note)
 
 
-def _shift(rows: np.ndarray, offset: int) -> np.ndarray:
-    shifted = rows.copy()
-    shifted[:, 1] += np.uint64(offset)
-    return shifted
-
-
 def _views_slot(staged: Any, slot: Slot) -> bool:
     """Whether `staged` really is the state dict staged in `slot`, not a new object that reuses
     the address (the id) of one that no longer exists: its first tensor must view the slot."""
     manifest = slot.manifest
     if manifest is None:
         return False
-    steps = layout.first_tensor_steps(manifest.tree)
+    steps = first_tensor_steps(manifest.tree)
     if steps is None:
         return True  # no tensor: nothing in the slot to confuse
     node = staged
@@ -409,12 +479,29 @@ def _views_slot(staged: Any, slot: Slot) -> bool:
     return isinstance(node, torch.Tensor) and node.untyped_storage().data_ptr() == slot.storage.data_ptr()
 
 
-def find_staged(staged: Any) -> tuple[ShmStager, StagedHandle] | None:
-    """The stager (of any live ShmStager) that staged `staged`, and its handle; else None."""
+def lease_staged(staged: Any) -> StagedHandle | None:
+    """Lease the slot of `staged` from whichever live ShmStager staged it (see
+    `ShmStager.lease`); None when no stager did."""
     for stager in list(_STAGERS):
         if stager.closed:
             continue
-        handle = stager.handle(staged)
+        handle = stager.lease(staged)
         if handle is not None:
-            return stager, handle
+            return handle
     return None
+
+
+class _SideStreams:
+    """One staging stream per device, created lazily on first use."""
+
+    def __init__(self) -> None:
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._lock = threading.Lock()
+
+    def get(self, device: int) -> torch.cuda.Stream:
+        with self._lock:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = torch.cuda.Stream(device=device)
+                self._streams[device] = stream
+            return stream

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import logging
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -12,10 +14,20 @@ from typing import Any
 
 import torch
 
-from . import _C, commit, layout, tree_codec
-from .errors import CheckpointCorruptError
-from .file_writer import FORMAT, file_names
-from .safetensors_format import parse_header
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointKeyError,
+    CheckpointMismatchError,
+    PickleNotAllowedError,
+    from_os_error,
+)
+from ..shm.native import copy_threads, crc32c
+from ..staging import manifest as layout
+from . import commit, tree_codec
+from .safetensors_header import parse_header
+from .safetensors_writer import FORMAT, file_names
+
+logger = logging.getLogger(__name__)
 
 
 def _checkpoint_dir(path: str | os.PathLike[str]) -> Path:
@@ -61,13 +73,10 @@ def load(
         _verify(st_path, view, header, described.get("entries"))
     tensors = _tensors(st_path, view, header, described.get("tensors"))
     try:
-        state = tree_codec.decode(described.get("tree"), tensors, allow_pickle=allow_pickle)
-    except tree_codec.PickleRequired:
-        raise CheckpointCorruptError(
-            str(json_path), "the checkpoint holds pickled values; pass allow_pickle=True to load them"
-        ) from None
-    except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
-        raise CheckpointCorruptError(str(json_path), f"malformed structure: {exc}") from None
+        state = tree_codec.decode(described.get("tree"), tensors, allow_pickle=allow_pickle, where=str(json_path))
+    except PickleNotAllowedError as exc:
+        raise CheckpointCorruptError(str(json_path), str(exc)) from None
+    logger.debug("loaded %s (rank %d, %d tensors)", directory, rank, len(tensors))
     if into is not None:
         _copy_into(into, state, str(directory))
         return into
@@ -88,8 +97,8 @@ def _verify(st_path: Path, view: memoryview, header: Any, recorded: Any) -> None
     missing = set(recorded) - set(header.entries)
     if missing:
         raise CheckpointCorruptError(str(st_path), "entry missing from the file", tensor=sorted(missing)[0])
-    with ThreadPoolExecutor(max_workers=max(1, _C.num_threads())) as pool:
-        actual = list(pool.map(lambda job: _C.crc32c(view[job[1] : job[2]]), jobs))
+    with ThreadPoolExecutor(max_workers=max(1, copy_threads())) as pool:
+        actual = list(pool.map(lambda job: crc32c(view[job[1] : job[2]]), jobs))
     for (name, _, _, crc), got in zip(jobs, actual):
         if got != crc:
             raise CheckpointCorruptError(str(st_path), f"checksum mismatch ({got:#010x} != {crc:#010x})", tensor=name)
@@ -111,9 +120,16 @@ def _tensors(st_path: Path, view: memoryview, header: Any, described: Any) -> li
             flags = int(item.get("flags", 0))
             entry_name = item["entry"]
             if entry_name is not None and not isinstance(entry_name, str):
-                raise TypeError("entry must be a string or null")
+                raise CheckpointCorruptError(
+                    str(st_path), "malformed tensor description: entry must be a string or null", tensor=name
+                )
             if flags & layout.REQUIRES_GRAD and not (dtype.is_floating_point or dtype.is_complex):
-                raise ValueError(f"a {item['dtype']} tensor cannot require gradients")
+                raise CheckpointCorruptError(
+                    str(st_path), f"malformed tensor description: a {item['dtype']} tensor cannot require gradients",
+                    tensor=name,
+                )  # fmt: skip
+        except CheckpointCorruptError:
+            raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointCorruptError(str(st_path), f"malformed tensor description: {exc}", tensor=name) from None
         if len(shape) != len(stride) or any(d < 0 for d in shape) or any(s < 0 for s in stride) or offset < 0:
@@ -194,22 +210,24 @@ def _move(state: Any, device: torch.device) -> Any:
 def _copy_into(target: Any, source: Any, where: str, path: str = "state_dict") -> None:
     if isinstance(target, torch.Tensor):
         if not isinstance(source, torch.Tensor) or target.shape != source.shape:
-            raise ValueError(f"{path}: the checkpoint holds {type(source).__name__} "
-                             f"{getattr(source, 'shape', '')}, the target {tuple(target.shape)}")
+            raise CheckpointMismatchError(
+                f"{path}: the checkpoint holds {type(source).__name__} "
+                f"{getattr(source, 'shape', '')}, the target {tuple(target.shape)}"
+            )
         with torch.no_grad():
             target.copy_(source)
         return
     if isinstance(target, dict):
         if not isinstance(source, dict):
-            raise ValueError(f"{path}: the checkpoint of {where} holds {type(source).__name__}, not a dict")
+            raise CheckpointMismatchError(f"{path}: the checkpoint of {where} holds {type(source).__name__}, not a dict")
         for key, value in target.items():
             if key not in source:
-                raise KeyError(f"{path}[{key!r}] is not in the checkpoint {where}")
+                raise CheckpointKeyError(f"{path}[{key!r}] is not in the checkpoint {where}")
             _copy_into(value, source[key], where, f"{path}[{key!r}]")
         return
     if isinstance(target, (list, tuple)) and isinstance(source, (list, tuple)):
         if len(target) != len(source):
-            raise ValueError(f"{path}: length {len(source)} in the checkpoint, {len(target)} in the target")
+            raise CheckpointMismatchError(f"{path}: length {len(source)} in the checkpoint, {len(target)} in the target")
         for i, (a, b) in enumerate(zip(target, source)):
             _copy_into(a, b, where, f"{path}[{i}]")
 
@@ -230,12 +248,17 @@ def _open(path: str | os.PathLike[str], rank: int) -> tuple[Path, Path, dict[str
         f = st_path.open("rb")
     except FileNotFoundError:
         raise CheckpointCorruptError(str(st_path), "missing") from None
+    except OSError as exc:
+        raise from_os_error(exc, f"cannot open {st_path}") from exc
     with f:
         size = os.fstat(f.fileno()).st_size
         header = parse_header(str(st_path), f, size)
         if not size:
             raise CheckpointCorruptError(str(st_path), "empty file")
-        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        try:
+            mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        except OSError as exc:
+            raise from_os_error(exc, f"cannot map {st_path}") from exc
     return json_path, st_path, described, header, mapped
 
 
@@ -267,12 +290,9 @@ def verify(path: str | os.PathLike[str], rank: int = 0) -> int:
     view = memoryview(mapped)
     _verify(st_path, view, header, described.get("entries"))
     tensors = _tensors(st_path, view, header, described.get("tensors"))
-    try:  # the structure too; pickled parts are only checked for presence, never unpickled
-        tree_codec.decode(described.get("tree"), tensors, allow_pickle=False)
-    except tree_codec.PickleRequired:
-        pass
-    except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
-        raise CheckpointCorruptError(str(st_path.with_suffix(".json")), f"malformed structure: {exc}") from None
+    # The structure too; pickled parts are only checked for presence, never unpickled.
+    with contextlib.suppress(PickleNotAllowedError):
+        tree_codec.decode(described.get("tree"), tensors, allow_pickle=False, where=str(st_path.with_suffix(".json")))
     return len(tensors)
 
 

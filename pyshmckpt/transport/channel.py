@@ -1,8 +1,9 @@
 """The control channel between the trainer and its writer process.
 
 Requests and responses are small pickled messages over a duplex pipe; each request carries an id
-and, for writes, the slot generation, which the response must repeat. Every wait here is bounded
-and wakes at once when the peer process exits: the pipe is waited on together with the process
+and, for writes, the slot generation, which the response must repeat. The writer also sends its
+log records (kind LOG) so that they reach the trainer's logging. Every wait here is bounded and
+wakes at once when the peer process exits: the pipe is waited on together with the process
 sentinel (`multiprocessing.connection.wait`), never by sleeping and polling.
 """
 
@@ -15,13 +16,14 @@ import signal
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from .errors import PyshmckptError
+from ..staging import Manifest
 
 
 class Kind(enum.Enum):
     INIT = "init"  # child -> parent once: the writer is built (or failed to build)
     WRITE = "write"  # persist one staged slot
     TERMINATE = "terminate"  # finish queued work, close the writer, exit
+    LOG = "log"  # child -> parent, unasked: one log record of the writer process
 
 
 @dataclasses.dataclass
@@ -42,16 +44,24 @@ class Response:
     payload: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-class WriterDiedError(PyshmckptError, RuntimeError):
-    """The writer process exited while work was pending; the message says how it exited."""
+@dataclasses.dataclass(frozen=True)
+class ManifestRef:
+    """Sent instead of a full manifest when the writer already holds one of the same layout for
+    that slot: only the structure (keys, leaves) travels."""
+
+    tree: Any
+    layout_key: bytes
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> ManifestRef:
+        return cls(manifest.tree, manifest.layout_key)
 
 
-class ProtocolError(PyshmckptError, RuntimeError):
-    """The writer answered something other than what was asked (wrong id, kind or generation)."""
+class Closed:
+    """What `receive` returns when the peer closed its end or its process exited."""
 
-
-class CheckpointAbortedError(PyshmckptError, RuntimeError):
-    """The write was abandoned by close(abort=True)."""
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -66,16 +76,10 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
-class ChannelClosed(Exception):
-    """The peer closed its end (EOF) or the pipe broke."""
-
-
-def receive(conn: Connection, sentinel: int, timeout: float | None) -> Response | None:
-    """Wait up to `timeout` s for a message; None on timeout.
-
-    Raises ChannelClosed when the peer's end is closed or its process exited with nothing left
-    to read (a message sent just before the exit is still returned).
-    """
+def receive(conn: Connection, sentinel: int, timeout: float | None) -> Response | Closed | None:
+    """Wait up to `timeout` s for a message; None on timeout, `Closed` when the peer's end is
+    closed or its process exited with nothing left to read (a message sent just before the exit
+    is still returned)."""
     ready = wait([conn, sentinel], timeout)
     if not ready:
         return None
@@ -83,16 +87,17 @@ def receive(conn: Connection, sentinel: int, timeout: float | None) -> Response 
         try:
             return conn.recv()  # type: ignore[no-any-return]
         except (EOFError, OSError) as exc:
-            raise ChannelClosed(str(exc)) from exc
-    raise ChannelClosed("the peer process exited")
+            return Closed(str(exc) or type(exc).__name__)
+    return Closed("the peer process exited")
 
 
-def send(conn: Connection, message: Request | Response) -> None:
-    """Send a message; raises ChannelClosed if the peer is gone."""
+def send(conn: Connection, message: Request | Response) -> bool:
+    """Send a message; False when the peer is gone. Unpicklable payloads raise as pickle does."""
     try:
         conn.send(message)
-    except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
-        raise ChannelClosed(str(exc)) from exc
+    except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+        return False
+    return True
 
 
 def wakeup_pipe() -> tuple[int, int]:

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...errors import ConfigError
+
 ACTIVE_TOKENS = 256  # token ids the synthetic batches use (see batch())
 
 
@@ -31,9 +33,9 @@ class GPTConfig:
         for name in ("vocab", "seq_len", "width", "layers", "heads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, not {value!r}")
+                raise ConfigError(f"{name} must be a positive int, not {value!r}")
         if self.width % self.heads:
-            raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
+            raise ConfigError(f"width {self.width} is not divisible by heads {self.heads}")
 
 
 class CausalSelfAttention(nn.Module):
@@ -107,7 +109,7 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         time = tokens.shape[1]
         if time > self.config.seq_len:
-            raise ValueError(f"{time} tokens exceed the context length {self.config.seq_len}")
+            raise ConfigError(f"{time} tokens exceed the context length {self.config.seq_len}")
         positions = torch.arange(time, device=tokens.device)
         x = self.tok(tokens) + self.pos(positions)
         for block in self.blocks:

@@ -31,7 +31,7 @@ from typing import IO, Any
 
 import torch
 
-from .errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, ConfigError
 
 __all__ = [
     "CODE_TO_DTYPE",
@@ -87,7 +87,7 @@ def code_itemsize(code: str) -> int:
     try:
         return _ITEMSIZE[code]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown safetensors dtype code {code!r}") from None
+        raise ConfigError(f"unknown safetensors dtype code {code!r}") from None
 
 
 @dataclass(frozen=True)
@@ -189,26 +189,26 @@ def build_header(
         if not isinstance(metadata, Mapping) or not all(
             _is_text(k) and _is_text(v) for k, v in metadata.items()
         ):
-            raise ValueError("metadata must map str to str")
+            raise ConfigError("metadata must map str to str")
         obj[METADATA_KEY] = dict(metadata)
     ranges = []
     for e in entries:
         if not isinstance(e, HeaderEntry):
-            raise ValueError(f"expected a HeaderEntry, got {type(e).__name__}")
+            raise ConfigError(f"expected a HeaderEntry, got {type(e).__name__}")
         if not _is_text(e.name) or not e.name or e.name == METADATA_KEY:
-            raise ValueError(f"invalid tensor name {e.name!r}")
+            raise ConfigError(f"invalid tensor name {e.name!r}")
         if e.name in obj:
-            raise ValueError(f"duplicate tensor name {e.name!r}")
+            raise ConfigError(f"duplicate tensor name {e.name!r}")
         if not isinstance(e.code, str) or e.code not in _ITEMSIZE:
-            raise ValueError(f"{e.name}: unknown dtype code {_short(e.code)}")
+            raise ConfigError(f"{e.name}: unknown dtype code {_short(e.code)}")
         nbytes, why = _shape_nbytes(e.shape, _ITEMSIZE[e.code], _MAX_DIM)
         if nbytes is None:
             why = "byte size above 2**63-1" if why == "exceeds" else why
-            raise ValueError(f"{e.name}: invalid shape {_short(e.shape)}: {why}")
+            raise ConfigError(f"{e.name}: invalid shape {_short(e.shape)}: {why}")
         if not (_is_int(e.begin) and _is_int(e.end) and 0 <= e.begin <= e.end):
-            raise ValueError(f"{e.name}: invalid offsets [{e.begin!r}, {e.end!r}]")
+            raise ConfigError(f"{e.name}: invalid offsets [{e.begin!r}, {e.end!r}]")
         if e.end - e.begin != nbytes:
-            raise ValueError(
+            raise ConfigError(
                 f"{e.name}: offsets [{e.begin}, {e.end}] hold {e.end - e.begin} bytes, "
                 f"but {e.code}{list(e.shape)} needs {nbytes}"
             )
@@ -216,10 +216,10 @@ def build_header(
         ranges.append((e.name, e.begin, e.end))
     problem = _check_tiling(ranges, None)
     if problem is not None:
-        raise ValueError(f"{problem[0]}: {problem[1]}")
+        raise ConfigError(f"{problem[0]}: {problem[1]}")
     text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     if not _is_int(alignment) or alignment < _ALIGN or alignment % _ALIGN:
-        raise ValueError(f"alignment must be a positive multiple of {_ALIGN}, not {alignment!r}")
+        raise ConfigError(f"alignment must be a positive multiple of {_ALIGN}, not {alignment!r}")
     text += b" " * (-(8 + len(text)) % alignment)
     return struct.pack("<Q", len(text)) + text
 

@@ -16,11 +16,15 @@ from typing import Any
 
 import torch
 
-from . import layout
-from .errors import UnsupportedValueError
+from ..errors import CheckpointCorruptError, PickleNotAllowedError, UnsupportedValueError
+from ..staging import manifest as layout
 
 
-class PickleRequired(Exception):
+class _Malformed(Exception):
+    """Raised inside decoding; `decode` reports it as CheckpointCorruptError."""
+
+
+class _PickleRequired(Exception):
     """Raised inside encoding: the value is not plain data and pickling was not allowed."""
 
     def __init__(self, what: str) -> None:
@@ -50,18 +54,37 @@ def _encode_leaf(value: Any, allow_pickle: bool) -> Any:
         kind = "leaflist" if type(value) is list else "leaftuple"
         return {kind: [_encode_leaf(v, allow_pickle) for v in value]}
     if not allow_pickle:
-        raise PickleRequired(f"a value of type {type(value).__module__}.{type(value).__qualname__}")
+        raise _PickleRequired(f"a value of type {type(value).__module__}.{type(value).__qualname__}")
     return {"pickle": base64.b64encode(pickle.dumps(value)).decode()}
 
 
 def encode(node: Any, allow_pickle: bool = False) -> Any:
-    """JSON-ready form of a layout tree; raises PickleRequired for non-plain parts."""
+    """JSON-ready form of a manifest's tree. Without allow_pickle, raises UnsupportedValueError
+    for parts that are not plain data."""
+    if allow_pickle:
+        return _encode(node, True)
+    try:
+        return _encode(node, False)
+    except _PickleRequired as exc:
+        raise UnsupportedValueError(
+            "state_dict",
+            f"{exc.what} is not plain data (None/bool/int/float/str/bytes and containers of "
+            "them); pass allow_pickle=True to store it with pickle",
+        ) from None
+
+
+def check_plain(tree: Any) -> None:
+    """Raise UnsupportedValueError if the tree needs pickle to be stored."""
+    encode(tree, allow_pickle=False)
+
+
+def _encode(node: Any, allow_pickle: bool) -> Any:
     if type(node) is int:
         return {"t": node}
     kind = node[0]
     if kind == layout.LEAF:
         return _encode_leaf(node[1], allow_pickle)
-    children = [encode(child, allow_pickle) for child in node[2]]
+    children = [_encode(child, allow_pickle) for child in node[2]]
     if kind == layout.DICT:
         return {"dict": [[_encode_leaf(k, allow_pickle), c] for k, c in zip(node[1], children)]}
     if kind == layout.LIST:
@@ -80,7 +103,7 @@ def encode(node: Any, allow_pickle: bool = False) -> Any:
         }
     if not allow_pickle:
         name = node[3].__qualname__ if kind == layout.NAMED_TUPLE else getattr(func, "__qualname__", repr(func))
-        raise PickleRequired(f"a container of type {name}")
+        raise _PickleRequired(f"a container of type {name}")
     header = node[3] if kind == layout.NAMED_TUPLE else (func, args, state)
     encoded: dict[str, Any] = {
         "reduced" if kind == layout.REDUCED else "namedtuple": base64.b64encode(pickle.dumps(header)).decode(),
@@ -91,25 +114,13 @@ def encode(node: Any, allow_pickle: bool = False) -> Any:
     return encoded
 
 
-def check_plain(tree: Any) -> None:
-    """Raise UnsupportedValueError if the tree needs pickle to be stored."""
-    try:
-        encode(tree, allow_pickle=False)
-    except PickleRequired as exc:
-        raise UnsupportedValueError(
-            "state_dict",
-            f"{exc.what} is not plain data (None/bool/int/float/str/bytes and containers of "
-            "them); pass allow_pickle=True to store it with pickle",
-        ) from None
-
-
 def _decode_leaf(value: Any, allow_pickle: bool) -> Any:
     if not isinstance(value, dict) or len(value) != 1:
-        raise ValueError(f"malformed leaf {value!r:.80}")
+        raise _Malformed(f"malformed leaf {value!r:.80}")
     (kind, payload), = value.items()
     if kind == "v":
         if payload is not None and type(payload) not in (bool, int, float, str):
-            raise ValueError("malformed plain leaf")
+            raise _Malformed("malformed plain leaf")
         return payload
     if kind == "float":
         return float(payload)
@@ -128,47 +139,61 @@ def _decode_leaf(value: Any, allow_pickle: bool) -> Any:
         return tuple(_decode_leaf(v, allow_pickle) for v in payload)
     if kind == "pickle":
         return _unpickle(payload, allow_pickle)
-    raise ValueError(f"unknown leaf kind {kind!r}")
+    raise _Malformed(f"unknown leaf kind {kind!r}")
 
 
 def _unpickle(payload: str, allow_pickle: bool) -> Any:
     if not allow_pickle:
-        raise PickleRequired("pickled data")
+        raise PickleNotAllowedError("the checkpoint holds pickled values; pass allow_pickle=True to load them")
     return pickle.loads(base64.b64decode(payload, validate=True))  # noqa: S301 (opted in)
 
 
-def decode(value: Any, tensors: list[Any], allow_pickle: bool = False) -> Any:
+def _decode(value: Any, tensors: list[Any], allow_pickle: bool) -> Any:
     """Rebuild the structure from its JSON form, with tensor slots taken from `tensors`."""
     if not isinstance(value, dict):
-        raise ValueError(f"malformed node {value!r:.80}")
+        raise _Malformed(f"malformed node {value!r:.80}")
     if "t" in value:
         index = value["t"]
         if type(index) is not int or not 0 <= index < len(tensors):
-            raise ValueError(f"tensor index {index!r} out of range")
+            raise _Malformed(f"tensor index {index!r} out of range")
         return tensors[index]
     if "dict" in value or "odict" in value:
         items = value["dict"] if "dict" in value else value["odict"]
         if not isinstance(items, list):
-            raise ValueError("malformed dict node")
-        pairs = [(_decode_leaf(k, allow_pickle), decode(c, tensors, allow_pickle)) for k, c in items]
+            raise _Malformed("malformed dict node")
+        pairs = [(_decode_leaf(k, allow_pickle), _decode(c, tensors, allow_pickle)) for k, c in items]
         if "dict" in value:
             return dict(pairs)
         out = collections.OrderedDict(pairs)
         if "attrs" in value:
             attrs = _decode_leaf(value["attrs"], allow_pickle)
             if attrs is not None and not isinstance(attrs, dict):
-                raise ValueError("malformed attributes of an OrderedDict")
+                raise _Malformed("malformed attributes of an OrderedDict")
             out.__dict__.update(attrs or {})
         return out
     if "list" in value:
-        return [decode(c, tensors, allow_pickle) for c in value["list"]]
+        return [_decode(c, tensors, allow_pickle) for c in value["list"]]
     if "tuple" in value:
-        return tuple(decode(c, tensors, allow_pickle) for c in value["tuple"])
+        return tuple(_decode(c, tensors, allow_pickle) for c in value["tuple"])
     if "reduced" in value or "namedtuple" in value:
-        children = [decode(c, tensors, allow_pickle) for c in value["children"]]
+        children = [_decode(c, tensors, allow_pickle) for c in value["children"]]
         if "namedtuple" in value:
             return _unpickle(value["namedtuple"], allow_pickle)(*children)
         func, args, state = _unpickle(value["reduced"], allow_pickle)
         keys = [_decode_leaf(k, allow_pickle) for k in value["keys"]] if "keys" in value else None
-        return layout._reconstruct((layout.REDUCED, keys, None, func, args, state), children)
+        return layout.reconstruct((layout.REDUCED, keys, None, func, args, state), children)
     return _decode_leaf(value, allow_pickle)
+
+
+def decode(value: Any, tensors: list[Any], *, allow_pickle: bool, where: str) -> Any:
+    """Rebuild the structure from its JSON form, with tensor slots taken from `tensors`.
+
+    Raises PickleNotAllowedError for pickled parts without allow_pickle (nothing is unpickled)
+    and CheckpointCorruptError naming `where` for a malformed structure.
+    """
+    try:
+        return _decode(value, tensors, allow_pickle)
+    except PickleNotAllowedError:
+        raise
+    except (_Malformed, ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
+        raise CheckpointCorruptError(where, f"malformed structure: {exc}") from None

@@ -1,14 +1,19 @@
-"""The other writers selectable by name, with the same atomic commit as the default one."""
+"""torch's formats as writers (`StateDictWriter`s), with the same atomic commit as the default."""
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..errors import NotSupportedError
 from . import commit
+
+logger = logging.getLogger(__name__)
 
 
 class TorchSaveWriter:
@@ -35,13 +40,16 @@ class TorchSaveWriter:
             attempt=kwargs.get("attempt"), barrier_timeout=self.barrier_timeout,
         )  # fmt: skip
 
+    def close(self) -> None:
+        _wait_for_deletions()
+
 
 class DcpWriter:
     """torch.distributed.checkpoint format (single process), committed atomically."""
 
     def __init__(self, rank_info: Any = None, *, keep_last: int | None = None) -> None:
         if commit.rank_and_world(rank_info)[1] != 1:
-            raise NotImplementedError(
+            raise NotSupportedError(
                 "the DCP writer is single-process: DCP across ranks plans the save collectively over "
                 "torch.distributed, which a writer subprocess does not join (use "
                 "torch.distributed.checkpoint.async_save with pyshmckpt.ShmStager instead)"
@@ -49,8 +57,6 @@ class DcpWriter:
         self.keep_last = keep_last
 
     def write(self, path: str, state_dict: Any, **kwargs: Any) -> None:
-        import warnings
-
         import torch.distributed.checkpoint as dcp
 
         def fill(temp: Path) -> None:
@@ -59,3 +65,11 @@ class DcpWriter:
                 dcp.save(state_dict, checkpoint_id=os.fspath(temp), no_dist=True)
 
         commit.commit_directory(path, fill, self.keep_last)
+
+    def close(self) -> None:
+        _wait_for_deletions()
+
+
+def _wait_for_deletions() -> None:
+    if not commit.wait_for_deletions(60.0):
+        logger.warning("old checkpoints were still being deleted after 60 s")

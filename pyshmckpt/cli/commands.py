@@ -1,4 +1,4 @@
-"""The ``pyshmckpt`` command line (also ``python -m pyshmckpt``)."""
+"""The ``pyshmckpt`` command line (also ``python -m pyshmckpt``): demo, bench, gc, verify, inspect."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from . import stale
+from ..errors import CheckpointCorruptError
+from ..shm import stale
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -25,8 +26,6 @@ def _checked(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
     """Report a corrupt checkpoint as one line on stderr and exit status 1."""
 
     def wrapped(args: argparse.Namespace) -> int:
-        from .errors import CheckpointCorruptError
-
         try:
             return run(args)
         except CheckpointCorruptError as exc:
@@ -38,7 +37,7 @@ def _checked(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
 
 @_checked
 def _verify(args: argparse.Namespace) -> int:
-    from .reader import ranks, verify
+    from ..storage.reader import ranks, verify
 
     checked = [args.rank] if args.rank is not None else ranks(args.path)
     counts = [verify(args.path, rank=rank) for rank in checked]
@@ -49,7 +48,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 @_checked
 def _inspect(args: argparse.Namespace) -> int:
-    from .reader import describe
+    from ..storage.reader import describe
 
     rows = describe(args.path, rank=args.rank)
     width = max([len(r["name"]) for r in rows] + [6])
@@ -63,15 +62,15 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from . import demo
+    from .demo import run
 
-    return demo.main(args)
+    return run.main(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from . import bench_runner
+    from . import bench
 
-    return bench_runner.main(args)
+    return bench.main(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    from . import bench_runner, demo
+    from . import bench
+    from .demo import run as demo
 
     parser = argparse.ArgumentParser(prog="pyshmckpt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,7 +93,7 @@ def _main(argv: list[str] | None) -> int:
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(run=_demo)
     bench_parser = sub.add_parser("bench", help="run the benchmark suite (bench/), print the comparison, write JSON and plots")
-    bench_runner.add_arguments(bench_parser)
+    bench.add_arguments(bench_parser)
     bench_parser.set_defaults(run=_bench)
     gc = sub.add_parser("gc", help="remove shared-memory segments whose owner process is gone")
     gc.add_argument("--prefix", default=None, help="segment name prefix (default: PYSHMCKPT_SEGMENT_PREFIX or pyshmckpt)")
@@ -110,6 +110,3 @@ def _main(argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     return int(args.run(args))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,20 +14,33 @@ writing into a slot keep it from being reused until they complete.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import logging
 import sys
 import threading
 import time
 import warnings
-from typing import TYPE_CHECKING
+from typing import Any
 
+import numpy as np
 import torch
 
-from . import _C, knobs
-from .errors import PinningWarning, SlotsBusyError, SlotStateError, StagerClosedError
+from .. import _torch_private, knobs
+from .._log import warn_once
+from ..errors import (
+    ConfigError,
+    ConfigTypeError,
+    PinningWarning,
+    SlotsBusyError,
+    SlotStateError,
+    StagerClosedError,
+    from_os_error,
+)
+from . import cuda
+from .native import CopyEvent, HostCopy, Segment
 
-if TYPE_CHECKING:
-    from .layout import Manifest
+logger = logging.getLogger(__name__)
 
 
 class SlotState(enum.Enum):
@@ -45,8 +58,21 @@ _TRANSITIONS = {
 }
 
 
-def _use_count(storage: torch.UntypedStorage) -> int:
-    return int(torch._C._storage_Use_Count(storage._cdata))
+@dataclasses.dataclass(frozen=True)
+class SlotAddress:
+    """What a process needs to attach a slot: segment name, data size and token, and where the
+    slot's data starts in the mapping."""
+
+    name: str
+    size: int
+    token: bytes
+    offset: int
+
+
+def _shift(rows: np.ndarray, offset: int) -> np.ndarray:
+    shifted = rows.copy()
+    shifted[:, 1] += np.uint64(offset)
+    return shifted
 
 
 class Slot:
@@ -54,7 +80,11 @@ class Slot:
 
     Data starts at byte `offset` of the segment. `storage` is a mapping of the whole segment made
     by torch's own allocator from the segment's file descriptor, so torch's multiprocessing pickler
-    sends a staged state dict as this one descriptor instead of copying it.
+    sends a staged state dict as this one descriptor instead of copying it. Copies into the slot
+    take rows of (source address, offset from the slot start, nbytes).
+
+    `manifest` and `staged_id` describe the state dict staged here; the stager sets them, and the
+    arena clears them when the slot is freed.
     """
 
     def __init__(self, arena: Arena, index: int, capacity: int) -> None:
@@ -63,20 +93,21 @@ class Slot:
         self.capacity = capacity
         self.state = SlotState.FREE
         self.generation = -1
-        self.manifest: Manifest | None = None
+        self.manifest: Any = None
         self.staged_id: int | None = None
-        self.pending: list[_C.CopyEvent] = []
-        self.segment = _C.Segment.create(capacity, knobs.segment_prefix())
+        self.pending: list[CopyEvent] = []
+        try:
+            self.segment = Segment.create(capacity, knobs.segment_prefix())
+        except OSError as exc:
+            raise from_os_error(exc, f"cannot create a {capacity}-byte shared-memory slot") from exc
         try:
             self.offset = int(self.segment.data_offset)
-            self.storage = torch.UntypedStorage._new_shared_fd_cpu(  # type: ignore[attr-defined]
-                self.segment.fd, self.segment.mapped_size
-            )
+            self.storage = _torch_private.shared_fd_storage(self.segment.fd, self.segment.mapped_size)
         except BaseException:
             self.segment.close()
             raise
         self._bases: dict[torch.dtype, torch.Tensor] = {}
-        self._baseline = _use_count(self.storage)
+        self._baseline = _torch_private.storage_use_count(self.storage)
         self.base(torch.uint8)
         # References while nothing outside the arena holds the slot: C++ references to the storage
         # (one per tensor viewing it, the bases included) and Python references to the storage
@@ -101,9 +132,22 @@ class Slot:
     def referenced(self) -> bool:
         """True while any tensor (or storage object) outside the arena views this slot's storage."""
         return (
-            _use_count(self.storage) > self._baseline
+            _torch_private.storage_use_count(self.storage) > self._baseline
             or sys.getrefcount(self.storage) > self._py_baseline
         )
+
+    def address(self) -> SlotAddress:
+        return SlotAddress(self.name, int(self.segment.size), bytes(self.segment.token), self.offset)
+
+    def copy_from_host_async(self, rows: np.ndarray) -> HostCopy:
+        """Start copying host memory into the slot on the native thread pool (GIL released)."""
+        return self.segment.copy_from_host_async(_shift(rows, self.offset))
+
+    def copy_from_device(self, rows: np.ndarray, stream: int, device: int) -> CopyEvent:
+        """Queue device-to-host copies on `stream`; the slot is not reused before they land."""
+        event = self.segment.copy_from_device(_shift(rows, self.offset), stream, device)
+        self.pending.append(event)
+        return event
 
     def copies_pending(self) -> bool:
         self.pending = [event for event in self.pending if not event.query()]
@@ -135,20 +179,18 @@ class Arena:
         self, slot_capacity: int, num_slots: int = 2, *, pin: bool | None = None
     ) -> None:
         if not isinstance(slot_capacity, int) or isinstance(slot_capacity, bool):
-            raise TypeError(f"slot_capacity must be an int, not {type(slot_capacity).__name__}")
+            raise ConfigTypeError(f"slot_capacity must be an int, not {type(slot_capacity).__name__}")
         if not isinstance(num_slots, int) or isinstance(num_slots, bool):
-            raise TypeError(f"num_slots must be an int, not {type(num_slots).__name__}")
+            raise ConfigTypeError(f"num_slots must be an int, not {type(num_slots).__name__}")
         if slot_capacity <= 0:
-            raise ValueError(f"slot_capacity must be positive, not {slot_capacity}")
+            raise ConfigError(f"slot_capacity must be positive, not {slot_capacity}")
         if num_slots <= 0:
-            raise ValueError(f"num_slots must be positive, not {num_slots}")
+            raise ConfigError(f"num_slots must be positive, not {num_slots}")
         granularity = knobs.slot_granularity()
         self.slot_capacity = -(-slot_capacity // granularity) * granularity
         self.pin_error = ""
         if pin is None:
-            from .cuda import cuda_available
-
-            pin = cuda_available()
+            pin = cuda.cuda_available()
         self.slots: list[Slot] = []
         try:
             for i in range(num_slots):
@@ -157,18 +199,22 @@ class Arena:
                 if pin and not slot.segment.pin(knobs.pin_chunk_bytes()):
                     self.pin_error = self.pin_error or slot.segment.pin_error
             if self.pin_error:
-                warnings.warn(
+                message = (
                     f"shared-memory arena {self.name} could not be pinned for CUDA "
-                    f"({self.pin_error}); device-to-host staging will be slower",
-                    PinningWarning,
-                    stacklevel=3,
+                    f"({self.pin_error}); device-to-host staging will be slower"
                 )
+                warn_once(logger, f"pin: {self.pin_error}", "%s", message)
+                warnings.warn(message, PinningWarning, stacklevel=3)
         except BaseException:
             for slot in self.slots:
                 slot.close()
             raise
         self._cond = threading.Condition()
         self.closed = False
+        logger.debug(
+            "created arena %s: %d slots of %d bytes%s",
+            self.name, num_slots, self.slot_capacity, ", pinned" if self.pinned else "",
+        )  # fmt: skip
 
     @property
     def name(self) -> str:

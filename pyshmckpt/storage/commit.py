@@ -23,7 +23,9 @@ rank has finished with the earlier one by then), and everything left when a root
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -33,7 +35,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from .errors import CommitError
+from ..errors import CommitError, CommitTimeoutError, ConfigError, os_error
+
+logger = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
@@ -56,23 +60,23 @@ def rank_and_world(rank_info: Any) -> tuple[int, int]:
     rank = int(getattr(rank_info, "global_rank", 0) or 0)
     world = int(getattr(rank_info, "global_world_size", 1) or 1)
     if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is outside world size {world}")
+        raise ConfigError(f"rank {rank} is outside world size {world}")
     return rank, world
 
 
 def check_root(root: Path) -> None:
     """Raise a clear error unless `root` is an existing, writable directory."""
     if not root.exists():
-        raise FileNotFoundError(f"checkpoint root {root} does not exist")
+        raise os_error(errno.ENOENT, f"checkpoint root {root} does not exist", str(root))
     if not root.is_dir():
-        raise NotADirectoryError(f"checkpoint root {root} is not a directory")
+        raise os_error(errno.ENOTDIR, f"checkpoint root {root} is not a directory", str(root))
     if not os.access(root, os.W_OK | os.X_OK):
-        raise PermissionError(f"checkpoint root {root} is not writable")
+        raise os_error(errno.EACCES, f"checkpoint root {root} is not writable", str(root))
 
 
 def check_name(name: str) -> None:
     if not name or name.startswith(".") or "/" in name or name in (LATEST, ".", ".."):
-        raise ValueError(f"invalid checkpoint name {name!r}: it must not start with '.', contain '/' or be {LATEST!r}")
+        raise ConfigError(f"invalid checkpoint name {name!r}: it must not start with '.', contain '/' or be {LATEST!r}")
 
 
 def new_temp_dir(root: Path, name: str) -> Path:
@@ -98,7 +102,7 @@ def commit(temp_dir: Path, final_dir: Path, world_size: int = 1) -> None:
     """Record the commit, fsync and rename `temp_dir` to `final_dir` (which must not exist)."""
     root = final_dir.parent
     if final_dir.exists() or final_dir.is_symlink():
-        raise FileExistsError(f"checkpoint {final_dir} already exists")
+        raise os_error(errno.EEXIST, f"checkpoint {final_dir} already exists", str(final_dir))
     sequence = max((seq for seq, _ in committed(root)), default=0) + 1
     record = temp_dir / COMMIT_RECORD
     record.write_text(
@@ -106,8 +110,9 @@ def commit(temp_dir: Path, final_dir: Path, world_size: int = 1) -> None:
     )
     fsync_path(record)
     fsync_path(temp_dir)
-    os.rename(temp_dir, final_dir)
+    temp_dir.rename(final_dir)
     fsync_path(root)
+    logger.debug("committed %s (sequence %d)", final_dir, sequence)
 
 
 def update_latest(root: Path, name: str) -> None:
@@ -178,6 +183,8 @@ def retain(root: Path, keep_last: int, *, background: bool = False) -> list[str]
             continue
         remove(root, name, background=background)
         removed.append(name)
+    if removed:
+        logger.debug("retention (keep_last=%d) removed %s from %s", keep_last, removed, root)
     return removed
 
 
@@ -193,6 +200,8 @@ def clean_leftovers(root: Path) -> list[str]:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
             removed.append(entry.name)
+    if removed:
+        logger.info("removed leftovers of interrupted saves from %s: %s", root, removed)
     return removed
 
 
@@ -222,7 +231,7 @@ def commit_directory(
     check_root(root)
     if world_size > 1:
         if not attempt or not isinstance(attempt, str) or "/" in attempt or "-" in attempt:
-            raise ValueError(f"a multi-rank save needs an attempt id without '-' or '/', not {attempt!r}")
+            raise ConfigError(f"a multi-rank save needs an attempt id without '-' or '/', not {attempt!r}")
         return _SharedCommit(final, rank, world_size, attempt, barrier_timeout).run(fill, keep_last)
     temp = new_temp_dir(root, final.name)
     try:
@@ -258,7 +267,7 @@ class _SharedCommit:
     def __init__(self, final: Path, rank: int, world_size: int, attempt: str, timeout: float) -> None:
         check_name(final.name)
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world size {world_size}")
+            raise ConfigError(f"rank {rank} is outside world size {world_size}")
         self.final, self.root, self.name = final, final.parent, final.name
         self.rank, self.world_size, self.attempt, self.timeout = rank, world_size, attempt, timeout
         self.temp = self.root / f"{TMP_PREFIX}{final.name}-{attempt}"
@@ -267,7 +276,7 @@ class _SharedCommit:
 
     def run(self, fill: Fill, keep_last: int | None) -> Path:
         if self.final.exists() or self.final.is_symlink():
-            raise FileExistsError(f"checkpoint {self.final} already exists")
+            raise os_error(errno.EEXIST, f"checkpoint {self.final} already exists", str(self.final))
         self._check_tomb()  # another rank already gave this attempt up: do not write
         # The other ranks wait a little longer than rank 0, so rank 0's verdict normally lands first.
         deadline = time.monotonic() + (self.timeout if self.rank == 0 else self.timeout * 1.1 + 1.0)
@@ -312,6 +321,7 @@ class _SharedCommit:
         (a hard link of a written file), and the first one stays; where even that cannot be
         written (a full disk), an empty tombstone still stops every rank. Rank 0 removes the
         temporary directory first, which also frees the space the reason needs on a full disk."""
+        logger.warning("giving up checkpoint %s (attempt %s): %s", self.name, self.attempt, reason)
         if self.rank == 0:
             shutil.rmtree(self.temp, ignore_errors=True)
         staged = self.root / f"{FAILED_PREFIX}{self.name}-{self.attempt}.rank{self.rank}"
@@ -347,7 +357,9 @@ class _SharedCommit:
             if time.monotonic() >= deadline:
                 ranks = sorted(int(m[5:-5]) for m in missing)
                 self._bury(f"rank 0 waited {self.timeout:g} s for ranks {ranks} to write their files")
-                raise TimeoutError(f"checkpoint {self.name}: ranks {ranks} did not finish writing within {self.timeout:g} s")
+                raise CommitTimeoutError(
+                    f"checkpoint {self.name}: ranks {ranks} did not finish writing within {self.timeout:g} s"
+                )
             time.sleep(delay)
 
     def _claim(self) -> None:
@@ -368,7 +380,7 @@ class _SharedCommit:
                     return
             if time.monotonic() >= deadline:
                 if claimed:
-                    raise TimeoutError(f"checkpoint {self.name}: rank 0 claimed it but did not commit it in time")
+                    raise CommitTimeoutError(f"checkpoint {self.name}: rank 0 claimed it but did not commit it in time")
                 try:
                     self.done.rename(self.temp / f".rank{self.rank}.withdrawn")
                 except FileNotFoundError:
@@ -376,7 +388,7 @@ class _SharedCommit:
                     deadline = time.monotonic() + self.timeout
                     continue
                 self._bury(f"rank {self.rank} waited {self.timeout:g} s for rank 0 to commit")
-                raise TimeoutError(f"checkpoint {self.name}: rank 0 did not commit it within {self.timeout:g} s")
+                raise CommitTimeoutError(f"checkpoint {self.name}: rank 0 did not commit it within {self.timeout:g} s")
             time.sleep(delay)
 
     def _remove_dead_attempts(self) -> None:

@@ -11,12 +11,15 @@ earlier run, so a run that measures nothing reports nothing.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from ..errors import from_os_error, os_error
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -35,13 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def find_suite(given: Path | None) -> Path:
     """The bench/ directory: `given`, ./bench, or the one beside the package's source tree."""
-    candidates = [given] if given is not None else [Path.cwd() / "bench", Path(__file__).resolve().parent.parent / "bench"]
+    candidates = [given] if given is not None else [Path.cwd() / "bench", Path(__file__).resolve().parents[2] / "bench"]
     for candidate in candidates:
         if candidate is not None and (candidate / "conftest.py").is_file() and (candidate / "test_sweep.py").is_file():
             return candidate.resolve()
     where = ", ".join(str(c) for c in candidates)
-    raise FileNotFoundError(
-        f"no benchmark suite found (looked in {where}); run from a clone of the repository or pass --suite DIR"
+    raise os_error(
+        errno.ENOENT,
+        f"no benchmark suite found (looked in {where}); run from a clone of the repository or pass --suite DIR",
     )
 
 
@@ -73,8 +77,7 @@ def remove_previous_outputs(output: Path) -> None:
         try:
             path.unlink(missing_ok=True)
         except OSError as exc:
-            message = f"cannot remove the previous run's {path}: {exc.strerror}"
-            raise OSError(exc.errno, message) from exc
+            raise from_os_error(exc, f"cannot remove the previous run's {path}") from exc
 
 
 def run_suite(suite: Path, output: Path, quick: bool, extra: list[str], timeout: float) -> int:

@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from . import stale
-from .arena import SlotState
-from .channel import WriterDiedError
-from .errors import PyshmckptError, SlotStateError
-from .stager import ShmStager, StagedHandle, find_staged
-from .writer_process import WriterProcess
+from ..errors import CleanupError, ClosedError, ConfigError, ConfigTypeError, WriterDiedError
+from ..shm import collect_stale_segments
+from ..staging import ShmStager, lease_staged
+from .parent import WriterProcess
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -53,14 +54,14 @@ class CheckpointProcessConfig:
         for name in ("subprocess_init_timeout_secs", "subprocess_shutdown_timeout_secs", "slot_timeout_secs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name} must be a non-negative number, not {value!r}")
+                raise ConfigError(f"{name} must be a non-negative number, not {value!r}")
         timeout = self.write_timeout_secs
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise ValueError(f"write_timeout_secs must be a positive number or None, not {timeout!r}")
+            raise ConfigError(f"write_timeout_secs must be a positive number or None, not {timeout!r}")
         for name in ("slots", "max_restarts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "slots" else 0):
-                raise ValueError(f"{name} must be an int >= {1 if name == 'slots' else 0}, not {value!r}")
+                raise ConfigError(f"{name} must be an int >= {1 if name == 'slots' else 0}, not {value!r}")
 
 
 class CheckpointProcess:
@@ -91,13 +92,13 @@ class CheckpointProcess:
     ) -> None:
         self._closed = True  # until construction finishes
         if not isinstance(config, CheckpointProcessConfig):
-            raise TypeError(f"config must be a pyshmckpt.CheckpointProcessConfig, not {type(config).__name__}")
+            raise ConfigTypeError(f"config must be a pyshmckpt.CheckpointProcessConfig, not {type(config).__name__}")
         if not callable(subprocess_init_fn) or not callable(checkpoint_writer_init_fn):
-            raise TypeError("subprocess_init_fn and checkpoint_writer_init_fn must be callable")
+            raise ConfigTypeError("subprocess_init_fn and checkpoint_writer_init_fn must be callable")
         if not isinstance(subprocess_init_args, tuple):
-            raise TypeError("subprocess_init_args must be a tuple")
+            raise ConfigTypeError("subprocess_init_args must be a tuple")
         if not isinstance(checkpoint_writer_init_args, dict):
-            raise TypeError("checkpoint_writer_init_args must be a dict")
+            raise ConfigTypeError("checkpoint_writer_init_args must be a dict")
         self._rank_info = rank_info
         self._config = config
         self._writer_spec = (
@@ -105,7 +106,7 @@ class CheckpointProcess:
             checkpoint_writer_init_fn, checkpoint_writer_init_args,
         )  # fmt: skip
         if config.collect_stale_segments:
-            stale.collect_stale_segments()
+            collect_stale_segments()
         self._stager = ShmStager(
             capacity_bytes=config.capacity_bytes,
             slots=config.slots,
@@ -113,7 +114,6 @@ class CheckpointProcess:
         )
         self._lock = threading.Lock()
         self._restarts = 0
-        self._inflight: dict[int, Any] = {}  # plain state dicts staged here, held until written
         self.last_write_seconds: float | None = None  # time the writer spent in its last write
         # Every writer process started, the current one last; the finalizer closes them all.
         self._writers = [self._new_writer()]
@@ -188,7 +188,7 @@ class CheckpointProcess:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise PyshmckptError("CheckpointProcess is closed")
+            raise ClosedError("CheckpointProcess is closed")
 
     def _new_writer(self) -> WriterProcess:
         return WriterProcess(
@@ -229,6 +229,10 @@ class CheckpointProcess:
                     f"({self._config.max_restarts}) is spent"
                 )
             self._restarts += 1
+            logger.warning(
+                "the checkpoint writer process %s is gone (%s); starting a new one (restart %d of %d)",
+                writer.pid, writer.failure_text(), self._restarts, self._config.max_restarts,
+            )  # fmt: skip
             writer.close(abort=True)
             writer = self._new_writer()
             self._writers.append(writer)
@@ -237,39 +241,26 @@ class CheckpointProcess:
 
     def _write_now(self, state_dict: Any, path: Any, kwargs: dict[str, Any]) -> Future[None]:
         self._ensure_writer()
-        found = find_staged(state_dict)
-        owned = None
-        if found is None:
-            owned = self._stager.stage(state_dict)  # one copy, into an internal slot
-            found = (self._stager, self._stager.handle(owned))  # type: ignore[assignment]
-        stager, handle = found  # type: ignore[misc]
-        slot = handle.slot
-        arena = handle.arena
-        if slot.state is not SlotState.READY:
-            raise SlotStateError(f"state dict of generation {handle.generation} is already being written")
-        arena.transition(slot, SlotState.WRITING)
+        handle = lease_staged(state_dict)
+        if handle is None:
+            handle = self._stager.stage_leased(state_dict)  # one copy, into an internal slot
         payload = {
             "path": path,
             "kwargs": kwargs,
             "manifest": handle.manifest,
-            "slot": (slot.name, slot.offset),
-            "segments": stager.segments(),
+            "slot": handle.address,
+            "segments": handle.segments(),
         }
         try:
             future = self._submit(handle.generation, payload)
         except BaseException:
-            arena.transition(slot, SlotState.FREE if owned is not None else SlotState.READY)
+            handle.give_back()
             raise
-        if owned is not None:
-            self._inflight[handle.generation] = owned
         result: Future[None] = Future()
 
         def done(f: Future[Any]) -> None:
-            # The writer has answered, died or been killed: it no longer reads the slot. A slot
-            # staged here is free now; one staged by the caller's stager is READY again, and
-            # frees itself once the caller drops the staged state dict (or releases it).
-            self._inflight.pop(handle.generation, None)
-            arena.transition(slot, SlotState.FREE if owned is not None else SlotState.READY)
+            # The writer has answered, died or been killed: it no longer reads the slot.
+            handle.give_back()
             exc = f.exception()
             if exc is not None:
                 result.set_exception(exc)
@@ -279,7 +270,6 @@ class CheckpointProcess:
 
         future.add_done_callback(done)
         return result
-
 
     def _submit(self, generation: int, payload: dict[str, Any]) -> Future[Any]:
         timeout = self._config.write_timeout_secs
@@ -293,14 +283,6 @@ class CheckpointProcess:
             return self._ensure_writer().submit_write(generation, payload, timeout)
 
 
-class CleanupError(PyshmckptError, RuntimeError):
-    """Errors met while closing, collected so that none is lost."""
-
-    def __init__(self, errors: list[BaseException]) -> None:
-        super().__init__("; ".join(f"{type(e).__name__}: {e}" for e in errors))
-        self.errors = errors
-
-
 def _chain(inner: Future[Any], outer: Future[Any]) -> None:
     def copy(f: Future[Any]) -> None:
         exc = f.exception()
@@ -312,4 +294,4 @@ def _chain(inner: Future[Any], outer: Future[Any]) -> None:
     inner.add_done_callback(copy)
 
 
-__all__ = ["CheckpointProcess", "CheckpointProcessConfig", "CleanupError", "StagedHandle"]
+__all__ = ["CheckpointProcess", "CheckpointProcessConfig"]

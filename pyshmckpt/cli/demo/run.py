@@ -19,9 +19,9 @@ disturb, ``RssShmem:`` of the training process). Finally the last checkpoint of 
 restored into a fresh model and optimizer, compared bit for bit with the state that was saved,
 and one more training step from it must reproduce the uninterrupted run's step exactly.
 
-This module is the command: its flags, the run and its report. The shared-memory gauges are in
-shm_usage, the snapshot and bitwise comparison of restored state in demo_checks, the handling of
-SIGINT and SIGTERM in demo_signals.
+This module is the command: its flags, the run and its report. The model is in gpt, the
+shared-memory gauges in shm_usage, the snapshot and bitwise comparison of restored state in
+checks, the handling of SIGINT and SIGTERM in signals.
 """
 
 from __future__ import annotations
@@ -44,15 +44,15 @@ from typing import Any
 
 import torch
 
-from . import commit, gpt
-from .checkpoint_process import CheckpointProcess, CheckpointProcessConfig
-from .cuda import cuda_available
-from .demo_checks import compare, same_bits, snapshot, state_nbytes
-from .demo_signals import Terminated, sigint_blocked, sigint_deferred, sigterm_unwinds, writer_init
-from .file_writer import SafetensorsWriter
-from .reader import load
+from ... import _torch_private
+from ...shm import cuda_available
+from ...staging import ShmStager
+from ...storage import SafetensorsWriter, commit, load
+from ...transport import CheckpointProcess, CheckpointProcessConfig
+from . import gpt
+from .checks import compare, same_bits, snapshot, state_nbytes
 from .shm_usage import ShmAccount, ShmemMonitor, on_shmem_filesystem
-from .stager import ShmStager
+from .signals import Terminated, sigint_blocked, sigint_deferred, sigterm_unwinds, writer_init
 
 INIT_TIMEOUT = 120.0  # seconds a writer subprocess may take to start (python + torch import)
 SHUTDOWN_TIMEOUT = 15.0  # seconds a writer subprocess may take to exit when closed
@@ -61,8 +61,9 @@ LR = 1e-3
 MIB = 1 << 20
 
 
-class DemoError(Exception):
-    """The demo could not run to the end (a checkpoint failed or timed out, a bad output dir)."""
+class _DemoFailed(Exception):
+    """The demo could not run to the end (a checkpoint failed or timed out, a bad output dir);
+    main() reports it on stderr."""
 
 
 def _say(*parts: object, file: Any = None) -> None:
@@ -246,30 +247,23 @@ class Demo:
             try:
                 self.out.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
-                raise DemoError(f"cannot create --output {self.out}: {exc}") from None
+                raise _DemoFailed(f"cannot create --output {self.out}: {exc}") from None
         for transport in (self.ours, self.theirs):
             transport.root = self.out / transport.name
             try:
                 transport.root.mkdir()
             except OSError as exc:
-                raise DemoError(f"cannot create {transport.root}: {exc}") from None
+                raise _DemoFailed(f"cannot create {transport.root}: {exc}") from None
 
     def _start_transports(self) -> None:
-        from torch.distributed.checkpoint._experimental.checkpoint_process import (
-            CheckpointProcess as TorchCheckpointProcess,
-        )
-        from torch.distributed.checkpoint._experimental.checkpoint_process import (
-            CheckpointProcessConfig as TorchCheckpointProcessConfig,
-        )
-        from torch.distributed.checkpoint._experimental.checkpoint_writer import (
-            CheckpointWriter,
-            CheckpointWriterConfig,
-        )
-        from torch.distributed.checkpoint._experimental.staging import (
-            CheckpointStagerConfig,
-            DefaultStager,
-        )
-        from torch.distributed.checkpoint._experimental.types import RankInfo
+        experimental = _torch_private.experimental
+        TorchCheckpointProcess = experimental("checkpoint_process", "CheckpointProcess")
+        TorchCheckpointProcessConfig = experimental("checkpoint_process", "CheckpointProcessConfig")
+        CheckpointWriter = experimental("checkpoint_writer", "CheckpointWriter")
+        CheckpointWriterConfig = experimental("checkpoint_writer", "CheckpointWriterConfig")
+        CheckpointStagerConfig = experimental("staging", "CheckpointStagerConfig")
+        DefaultStager = experimental("staging", "DefaultStager")
+        RankInfo = experimental("types", "RankInfo")
 
         rank = RankInfo(global_rank=0, global_world_size=1)
         # The first process spawned starts multiprocessing's resource tracker, and the thread that
@@ -594,13 +588,13 @@ class Demo:
 
 
 def _outcome(future: Future[Any], timeout: float, *, late: str, failed: str) -> None:
-    """Wait for `future`; a timeout or a failure becomes a DemoError with the given words."""
+    """Wait for `future`; a timeout or a failure becomes a _DemoFailed with the given words."""
     try:
         future.result(timeout=timeout)
     except (FutureTimeoutError, TimeoutError):  # distinct classes before Python 3.11
-        raise DemoError(late) from None
+        raise _DemoFailed(late) from None
     except Exception as exc:
-        raise DemoError(f"{failed}: {type(exc).__name__}: {exc}") from exc
+        raise _DemoFailed(f"{failed}: {type(exc).__name__}: {exc}") from exc
 
 
 def _close_torch_process(process: Any, abort: bool) -> None:
@@ -610,7 +604,7 @@ def _close_torch_process(process: Any, abort: bool) -> None:
         process.close()
         return
     # Its pipe breaks when the child is killed; torch logs that as an error, which it is not here.
-    logger = logging.getLogger("torch.distributed.checkpoint._experimental.checkpoint_process")
+    logger = logging.getLogger(f"{_torch_private.EXPERIMENTAL_PACKAGE}.checkpoint_process")
     level = logger.level
     logger.setLevel(logging.CRITICAL)
     try:
@@ -646,7 +640,7 @@ def main(args: argparse.Namespace) -> int:
     except Terminated:
         _say("\nterminated: writers stopped, shared memory freed", file=sys.stderr)
         status = 143
-    except DemoError as exc:
+    except _DemoFailed as exc:
         _say(f"pyshmckpt demo: error: {exc}", file=sys.stderr)
         status = 1
     for error in demo.cleanup_errors if demo is not None else []:
@@ -655,4 +649,4 @@ def main(args: argparse.Namespace) -> int:
     return status
 
 
-__all__ = ["DemoError", "add_arguments", "main"]
+__all__ = ["add_arguments", "main"]

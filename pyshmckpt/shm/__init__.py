@@ -1,0 +1,27 @@
+"""Layer 1, shared memory: segments, the arena and its slots, pinning, stale-segment collection.
+
+The only layer that touches the native segment API (`native`). Everything above sees slots:
+`Arena` creates them (prefaulted, pinned where CUDA is available), each `Slot` moves through
+FREE -> STAGING -> READY -> WRITING -> FREE under the arena's lock, and the writer process
+attaches them by `SlotAddress` (`AttachedSegments`).
+"""
+
+from __future__ import annotations
+
+from .arena import Arena, Slot, SlotAddress, SlotState
+from .attached import AttachedSegments, SlotMapping
+from .cuda import cuda_available, cuda_compiled
+from .stale import collect_stale_segments, list_segments
+
+__all__ = [
+    "Arena",
+    "AttachedSegments",
+    "Slot",
+    "SlotAddress",
+    "SlotMapping",
+    "SlotState",
+    "collect_stale_segments",
+    "cuda_available",
+    "cuda_compiled",
+    "list_segments",
+]

@@ -1,0 +1,107 @@
+"""The writer process's side of the arena: the trainer's slots, attached once and kept mapped.
+
+`AttachedSegments` maps each segment the trainer describes (checking owner, size and token) and
+closes those it no longer describes; `SlotMapping` is one staged slot as the writer reads it.
+When the trainer dies, `unlink_all` removes every segment it was told of.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterable
+
+import numpy as np
+
+from ..errors import from_os_error
+from .arena import SlotAddress
+from .native import Segment
+from .stale import SHM_DIR
+
+logger = logging.getLogger(__name__)
+
+
+class SlotMapping:
+    """The bytes of one slot in the writer's mapping of its segment.
+
+    Offsets given to its methods are relative to the slot's start. The mapping stays valid while
+    the writer holds the segment (until the trainer retires the arena).
+    """
+
+    def __init__(self, segment: Segment, offset: int) -> None:
+        self._segment = segment
+        self.offset = offset
+
+    @property
+    def name(self) -> str:
+        return str(self._segment.name)
+
+    @property
+    def address(self) -> int:
+        """Address of the slot's first byte in this process."""
+        return int(self._segment.address) + self.offset
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._segment.mapped_size) - self.offset
+
+    def memoryview(self) -> memoryview:
+        """A view of the slot's bytes; release it (or let it go) before the segment is closed."""
+        view = memoryview(self._segment)
+        try:
+            return view[self.offset :]
+        finally:
+            view.release()
+
+    def checksums(self, ranges: np.ndarray) -> np.ndarray:
+        """CRC32C of each (offset, nbytes) row, on the native thread pool (GIL released)."""
+        shifted = np.array(ranges, dtype=np.uint64, copy=True).reshape(-1, 2)
+        shifted[:, 0] += np.uint64(self.offset)
+        return self._segment.checksums(shifted)  # type: ignore[no-any-return]
+
+
+class AttachedSegments:
+    """Segments the writer has mapped, by name, and every name it was told of (for cleanup)."""
+
+    def __init__(self) -> None:
+        self._segments: dict[str, Segment] = {}
+        self._known: set[str] = set()
+        # Reentrant: the parent-death signal handler runs on the main thread and may interrupt
+        # it while it already holds the lock (in unlink_all on channel EOF).
+        self._lock = threading.RLock()
+
+    def sync(self, described: Iterable[tuple[str, int, bytes]]) -> None:
+        """Attach newly described segments ((name, data size, token), as
+        `ShmStager.segments` lists them); close those no longer described (retired arenas)."""
+        described = list(described)
+        names = {name for name, _, _ in described}
+        with self._lock:
+            self._known = names | set(self._segments)
+            for name in list(self._segments):
+                if name not in names:
+                    self._segments.pop(name).close()
+            for name, size, token in described:
+                if name not in self._segments:
+                    try:
+                        segment = Segment.attach(name, size, token)
+                    except OSError as exc:
+                        raise from_os_error(exc, f"cannot attach slot {name}") from exc
+                    self._segments[name] = segment
+                    logger.debug("attached %s (%d bytes)", name, size)
+
+    def names(self) -> set[str]:
+        with self._lock:
+            return set(self._segments)
+
+    def slot(self, address: SlotAddress) -> SlotMapping:
+        """The mapping of an attached slot."""
+        with self._lock:
+            return SlotMapping(self._segments[address.name], address.offset)
+
+    def unlink_all(self) -> None:
+        """The trainer is gone: remove its segments so nothing is left in /dev/shm."""
+        with self._lock:
+            for name in self._known | set(self._segments):
+                with contextlib.suppress(OSError):
+                    (SHM_DIR / name).unlink()

@@ -1,0 +1,62 @@
+"""The compiled core, ``pyshmckpt._C``, loaded here and nowhere else.
+
+Shared-memory segments, their pinning and the copies into them stay inside this layer (`arena`,
+`attached`); other layers use only the few functions re-exported below (checksums, the copy
+thread pool). Importing from a source tree whose extension was never built fails here with one
+`ImportError` that says what to run.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from types import ModuleType
+
+from ..errors import ExtensionMissingError
+
+
+def _load() -> ModuleType:
+    try:
+        return importlib.import_module("pyshmckpt._C")
+    except ModuleNotFoundError as exc:
+        if exc.name != "pyshmckpt._C":
+            raise
+    package = Path(__file__).resolve().parent.parent
+    raise ExtensionMissingError(
+        f"pyshmckpt's compiled extension (pyshmckpt._C) is missing from {package}. In a clone of "
+        "the repository, build it in place with `python -m pip install torch==2.13.0 && python "
+        "-m pip install --no-build-isolation -e .` (see the README's 'Contributing'), or install "
+        "pyshmckpt with `python -m pip install .` and import it from outside the clone."
+    )
+
+
+_C = _load()
+
+Segment = _C.Segment
+CopyEvent = _C.CopyEvent
+HostCopy = _C.HostCopy
+
+
+def crc32c(data: object, value: int = 0) -> int:
+    """CRC32C of a buffer (hardware instruction where the CPU has one; GIL released)."""
+    return int(_C.crc32c(data, value))
+
+
+def copy_threads() -> int:
+    """Threads of the native pool that runs copies, prefaulting and checksums."""
+    return int(_C.num_threads())
+
+
+def set_copy_threads(count: int) -> None:
+    """Resize the native pool (PYSHMCKPT_THREADS)."""
+    _C.set_num_threads(count)
+
+
+def cuda_compiled() -> bool:
+    """True when the extension was built with the CUDA path."""
+    return bool(_C.cuda_compiled())
+
+
+def cuda_device_count() -> int:
+    """CUDA devices the extension's runtime sees (0 without a driver or a CUDA build)."""
+    return int(_C.cuda_device_count())

@@ -1,0 +1,26 @@
+"""Layer 2, staging: lay a state dict out in a slot and copy it there.
+
+`layout.plan` validates a state dict and assigns every storage a block of the slot (`StagingPlan`, whose
+`Manifest` describes the result); `ShmStager` takes a free slot from its arena, runs the copies
+(CPU: native thread pool, GIL released; CUDA: batched device-to-host on a side stream) and hands
+out the staged state dict, or leases the slot to a consumer. `SlotViews` rebuilds a staged state
+dict from a mapped slot in the writer process.
+"""
+
+from __future__ import annotations
+
+from .manifest import Manifest, TensorEntry
+from .layout import StagingPlan, plan
+from .stager import ShmStager, StagedHandle, lease_staged
+from .views import SlotViews
+
+__all__ = [
+    "Manifest",
+    "ShmStager",
+    "SlotViews",
+    "StagedHandle",
+    "StagingPlan",
+    "TensorEntry",
+    "lease_staged",
+    "plan",
+]

@@ -1,0 +1,14 @@
+"""Layer 4, transport: the writer process and the control channel to it.
+
+`channel` defines the messages (one small manifest per checkpoint; the bytes stay in the slot);
+`parent` is the trainer's side (`WriterProcess`: spawn, dispatch, deadlines, escalation); `child`
+is the writer process itself; `logs` forwards its log records; `checkpoint_process` is the
+drop-in for torch's `CheckpointProcess`, which leases staged slots and hands them to the writer.
+"""
+
+from __future__ import annotations
+
+from .checkpoint_process import CheckpointProcess, CheckpointProcessConfig
+from .parent import WriterProcess
+
+__all__ = ["CheckpointProcess", "CheckpointProcessConfig", "WriterProcess"]

@@ -1,0 +1,442 @@
+"""The trainer's side of the writer process: spawn it, feed it, watch it, stop it.
+
+`WriterProcess` spawns the child (`child.writer_main`), waits for its initialisation (bounded),
+sends one WRITE request per checkpoint and resolves a Future per request from a dispatcher
+thread. The dispatcher waits on the pipe, the process sentinel and a wake-up pipe together, so a
+dead writer fails its pending writes at once, and a write that overruns its deadline gets the
+writer killed (and reaped) before its future fails, so that its slot is never reused while it
+might be read. Log records the writer forwards are handed to the trainer's loggers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from multiprocessing.connection import Connection, wait
+from typing import Any, NoReturn
+
+from ..errors import (
+    CheckpointAbortedError,
+    ProtocolError,
+    WriterDiedError,
+    WriterError,
+    WriterOSError,
+    WriterShutdownTimeoutError,
+    WriterStartError,
+    WriterStartTimeoutError,
+    WriteTimeoutError,
+)
+from . import logs
+from .channel import (
+    Closed,
+    Kind,
+    ManifestRef,
+    Request,
+    Response,
+    describe_exit,
+    receive,
+    send,
+    wakeup_pipe,
+)
+from .child import writer_main
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Pending:
+    future: Future[Any]
+    kind: Kind
+    generation: int
+    deadline: float | None  # time.monotonic() deadline, None for no limit
+    slot: str | None = None
+
+
+class WriterProcess:
+    """One spawned writer subprocess and the dispatcher that resolves its requests."""
+
+    def __init__(
+        self,
+        rank_info: Any,
+        subprocess_init_fn: Callable[..., Any],
+        subprocess_init_args: tuple[Any, ...],
+        checkpoint_writer_init_fn: Callable[..., Any],
+        checkpoint_writer_init_args: dict[str, Any],
+        *,
+        init_timeout: float,
+        shutdown_timeout: float,
+    ) -> None:
+        self._target_args = (
+            rank_info, subprocess_init_fn, tuple(subprocess_init_args),
+            checkpoint_writer_init_fn, dict(checkpoint_writer_init_args),
+        )  # fmt: skip
+        self._init_timeout = init_timeout
+        self._shutdown_timeout = shutdown_timeout
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._process: Any = None
+        self._conn: Connection | None = None
+        self._dispatcher: threading.Thread | None = None
+        self._wake_r, self._wake_w = wakeup_pipe()
+        self._closing = False
+        self._failure: BaseException | None = None  # why the process is no longer usable
+        self.pid: int | None = None
+        # Layout last sent in full per slot: the child keeps the views it built for it.
+        self._sent_layouts: dict[str, bytes] = {}
+        self._reap_lock = threading.Lock()
+
+    # -- reaping ---------------------------------------------------------------------------
+    # The dispatcher and close() (or write()) may both wait for the child. multiprocessing reaps
+    # with waitpid(), and a thread that calls it after another thread reaped the child, but before
+    # that thread stored the exit code, would see "still running". So waiting is done on the
+    # sentinel, and every look at the exit code happens under one lock.
+
+    def _join(self, timeout: float | None) -> bool:
+        """Wait up to `timeout` s for the child to exit; True once it has (and is reaped)."""
+        process = self._process
+        if process is None:
+            return True
+        if not wait([process.sentinel], timeout):
+            return False
+        with self._reap_lock:
+            # The sentinel closes a moment before the child can be reaped; join() then does a
+            # blocking waitpid, which returns at once.
+            process.join(1.0)
+            return process.exitcode is not None
+
+    def _alive(self) -> bool:
+        process = self._process
+        if process is None:
+            return False
+        with self._reap_lock:
+            return bool(process.is_alive())
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Spawn the child and wait for it to initialise (bounded by the init timeout).
+
+        Raises WriterStartTimeoutError ("Timed out ...", a TimeoutError) when it does not
+        acknowledge in time and WriterStartError (a RuntimeError) carrying the child's traceback
+        when initialisation raised or the child exited.
+        """
+        ctx = mp.get_context("spawn")
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        process = ctx.Process(
+            target=writer_main,
+            args=(child_conn, os.getpid(), logs.current_levels(), *self._target_args),
+            name="pyshmckpt-writer",
+            daemon=True,
+        )
+        started = time.monotonic()
+        process.start()
+        child_conn.close()
+        logger.debug("spawned writer process %d", process.pid)
+        with self._lock:
+            self._process, self._conn, self.pid = process, parent_conn, process.pid
+            closing = self._closing
+        if closing:  # close() ran while this was spawning: do not leave the child behind
+            self._fail_start(WriterDiedError("the checkpoint writer process was closed while starting"))
+        message = self._receive_init(parent_conn, process.sentinel, started + self._init_timeout)
+        if isinstance(message, Closed):
+            self._join(self._shutdown_timeout)
+            self._fail_start(
+                WriterStartError(
+                    "checkpoint writer process exited during initialization "
+                    f"({describe_exit(self.exitcode)})"
+                )
+            )
+        if self._closing:
+            self._fail_start(WriterDiedError("the checkpoint writer process was closed while starting"))
+        if message is None:
+            self._fail_start(
+                WriterStartTimeoutError(
+                    f"Timed out after {self._init_timeout}s waiting for checkpoint subprocess to "
+                    "initialize"
+                )
+            )
+        if message.kind is not Kind.INIT or not message.ok:
+            self._fail_start(WriterStartError(f"checkpoint writer process failed to initialize:\n{message.error}"))
+        logger.info("writer process %d ready after %.2f s", process.pid, time.monotonic() - started)
+        self._dispatcher = threading.Thread(
+            target=self._dispatch, name="pyshmckpt-writer-dispatch", daemon=True
+        )
+        self._dispatcher.start()
+
+    @staticmethod
+    def _receive_init(conn: Connection, sentinel: int, deadline: float) -> Response | Closed | None:
+        """The INIT reply (None after the deadline); log records sent before it are emitted."""
+        while True:
+            message = receive(conn, sentinel, max(0.0, deadline - time.monotonic()))
+            if not (isinstance(message, Response) and message.kind is Kind.LOG):
+                return message
+            logs.emit_forwarded(message.payload)
+
+    def _fail_start(self, error: BaseException) -> NoReturn:
+        self._failure = error
+        self._reap()
+        raise error
+
+    @property
+    def alive(self) -> bool:
+        return self._failure is None and self._alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        if self._process is None:
+            return None
+        with self._reap_lock:
+            return self._process.exitcode  # type: ignore[no-any-return]
+
+    def submit_write(self, generation: int, payload: dict[str, Any], timeout: float | None) -> Future[Any]:
+        """Queue one WRITE; the Future resolves when the writer answers (or fails)."""
+        future: Future[Any] = Future()
+        with self._lock:
+            if self._closing:
+                raise WriterDiedError("the checkpoint writer process is closed")
+            if not self.alive:
+                raise self._dead_error()
+            request_id = next(self._ids)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            slot_name = payload["slot"].name
+            manifest = payload["manifest"]
+            if self._sent_layouts.get(slot_name) == manifest.layout_key:
+                payload = {**payload, "manifest": ManifestRef.of(manifest)}
+            else:
+                self._sent_layouts[slot_name] = manifest.layout_key
+            self._pending[request_id] = _Pending(future, Kind.WRITE, generation, deadline, slot_name)
+            try:
+                sent = send(self._conn, Request(Kind.WRITE, request_id, generation, payload))  # type: ignore[arg-type]
+            except BaseException:  # unpicklable kwargs and the like: nothing was queued
+                self._pending.pop(request_id, None)
+                self._sent_layouts.pop(slot_name, None)
+                raise
+            if not sent:
+                self._pending.pop(request_id, None)
+                self._join(1.0)  # it is exiting: learn how
+                self._failure = self._dead_error()
+                raise self._failure
+        self._wake()
+        return future
+
+    def close(self, *, abort: bool = False) -> list[BaseException]:
+        """Stop the writer: TERMINATE, join, SIGTERM, join, SIGKILL (abort: SIGKILL at once).
+
+        Idempotent and bounded. Pending writes that did not finish fail (CheckpointAbortedError
+        on abort). Returns the errors met while cleaning up, for the caller to report.
+        """
+        errors: list[BaseException] = []
+        with self._lock:
+            if self._closing:
+                return errors
+            self._closing = True
+        process = self._process
+        terminated: Future[Any] | None = None
+        if process is not None:
+            if abort:
+                self._fail_pending(CheckpointAbortedError("the write was abandoned by close(abort=True)"))
+                if self._alive():
+                    logger.warning("close(abort=True): killing writer process %d", process.pid)
+                process.kill()
+                self._join(1.0)
+            else:
+                terminated = self._terminate(process, errors)
+        self._wake()
+        if self._dispatcher is not None and self._dispatcher is not threading.current_thread():
+            self._dispatcher.join(self._shutdown_timeout + 1.0)
+        if terminated is not None and terminated.done():
+            close_error = terminated.exception()
+            if close_error is not None:
+                errors.append(close_error)  # the user's writer.close() raised
+        self._fail_pending(WriterDiedError(self._exit_text("the checkpoint writer process was closed")))
+        self._reap()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+        return errors
+
+    def kill(self, reason: str) -> None:
+        """SIGKILL the writer and reap it (used for hung writers); `reason` is logged."""
+        process = self._process
+        if process is not None and self._alive():
+            logger.warning("killing writer process %d: %s", process.pid, reason)
+            process.kill()
+            self._join(5.0)
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _terminate(self, process: Any, errors: list[BaseException]) -> Future[Any] | None:
+        """TERMINATE, join, SIGTERM, join, SIGKILL; returns the TERMINATE request's future."""
+        terminated: Future[Any] | None = None
+        if self._alive() and self._conn is not None:
+            with self._lock:
+                request_id = next(self._ids)
+                terminated = Future()
+                self._pending[request_id] = _Pending(terminated, Kind.TERMINATE, -1, None)
+                if not send(self._conn, Request(Kind.TERMINATE, request_id)):
+                    self._pending.pop(request_id, None)
+                    terminated = None
+        if not self._join(self._shutdown_timeout):
+            message = (
+                f"checkpoint writer {process.pid} did not exit within "
+                f"{self._shutdown_timeout}s of TERMINATE; sent SIGTERM"
+            )
+            logger.warning("%s", message)
+            errors.append(WriterShutdownTimeoutError(message))
+            process.terminate()
+            if not self._join(self._shutdown_timeout):
+                message = f"checkpoint writer {process.pid} ignored SIGTERM; sent SIGKILL"
+                logger.warning("%s", message)
+                errors.append(WriterShutdownTimeoutError(message))
+                process.kill()
+                self._join(5.0)
+        return terminated
+
+    def _reap(self) -> None:
+        process = self._process
+        if process is not None:
+            if self._alive():
+                process.kill()
+                self._join(5.0)
+
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn.close()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def _exit_text(self, what: str) -> str:
+        pid = self.pid
+        return f"{what} (pid {pid}, {describe_exit(self.exitcode)})"
+
+    def failure_text(self) -> str:
+        """Why this writer is no longer usable, in a few words."""
+        if self._failure is not None:
+            return str(self._failure).splitlines()[0]
+        return describe_exit(self.exitcode)
+
+    def _dead_error(self) -> BaseException:
+        if self._failure is not None and not isinstance(self._failure, WriterDiedError):
+            return WriterDiedError(f"the checkpoint writer process is not usable: {self._failure}")
+        return WriterDiedError(self._exit_text("the checkpoint writer process died"))
+
+    def _fail_pending(self, error: BaseException) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for item in pending.values():
+            if not item.future.done():
+                item.future.set_exception(error)
+
+    def _dispatch(self) -> None:
+        conn, process = self._conn, self._process
+        if conn is None or process is None:
+            return
+        while True:
+            with self._lock:
+                deadlines = [p.deadline for p in self._pending.values() if p.deadline is not None]
+            timeout = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
+            ready = wait([conn, process.sentinel, self._wake_r], timeout)
+            if self._wake_r in ready:
+                with contextlib.suppress(OSError):
+                    os.read(self._wake_r, 4096)
+            while conn.poll(0):
+                try:
+                    response = conn.recv()
+                except (EOFError, OSError):
+                    break
+                if response.kind is Kind.LOG:
+                    logs.emit_forwarded(response.payload)
+                    continue
+                if not self._resolve(response):
+                    return
+            if process.sentinel in ready or not self._alive():
+                self._join(1.0)
+                died = WriterDiedError(
+                    self._exit_text("the checkpoint writer process died with writes pending")
+                )
+                if self._failure is None:
+                    self._failure = died
+                with self._lock:
+                    writes = sum(1 for p in self._pending.values() if p.kind is Kind.WRITE)
+                if writes:
+                    logger.warning("%s: %d write(s) failed", died, writes)
+                self._fail_pending(died)
+                return
+            if self._expire():
+                return
+            # Otherwise run until the child exits: close() may still be waiting for its reply to
+            # TERMINATE (and the error of the user's writer.close() it may carry).
+
+    def _resolve(self, response: Response) -> bool:
+        """Complete the request `response` answers; False when the protocol is broken."""
+        with self._lock:
+            item = self._pending.get(response.id)
+            if item is not None and item.kind is response.kind and item.generation == response.generation:
+                del self._pending[response.id]
+            else:
+                item = None
+        if item is None:
+            # A reply to nothing we asked, or for another slot generation: the writer can no
+            # longer be trusted about which slot it reads. Stop it before failing anything.
+            self.kill(f"it answered request {response.id}, generation {response.generation}, which was not asked")
+            error = ProtocolError(
+                f"checkpoint writer answered request {response.id} ({response.kind.value}, "
+                f"generation {response.generation}) which does not match any pending request"
+            )
+            self._failure = error
+            self._fail_pending(error)
+            return False
+        if response.ok:
+            item.future.set_result(response.payload)
+        else:
+            if item.slot is not None:  # the child may not hold this slot's layout: resend in full
+                with self._lock:
+                    self._sent_layouts.pop(item.slot, None)
+            item.future.set_exception(_writer_error(response))
+        return True
+
+    def _expire(self) -> bool:
+        """Kill the writer if a write overran its deadline; True when that happened."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [p for p in self._pending.values() if p.deadline is not None and p.deadline <= now]
+        if not expired:
+            return False
+        # Reaped before anything fails: its slots are not read any more.
+        self.kill(f"a write ran past its deadline ({len(expired)} expired)")
+        timeout = WriteTimeoutError(
+            self._exit_text("checkpoint write timed out; the writer process was killed")
+        )
+        self._failure = timeout
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for item in pending.values():
+            if item in expired:
+                item.future.set_exception(timeout)
+            else:
+                item.future.set_exception(
+                    WriterDiedError(self._exit_text("the writer was killed because another write timed out"))
+                )
+        return True
+
+
+def _writer_error(response: Response) -> WriterError:
+    """The error a failed write raises in the trainer: a WriterOSError (an OSError too, with the
+    writer's errno) when the writer failed with an OSError, else a WriterError."""
+    message = f"checkpoint writer raised:\n{response.error}"
+    exc_type = response.payload.get("exc_type")
+    if "errno" in response.payload:
+        return WriterOSError(message, exc_type, response.payload["errno"], response.payload.get("strerror"))
+    return WriterError(message, exc_type)
