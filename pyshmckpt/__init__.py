@@ -9,6 +9,8 @@ docs/ARCHITECTURE.md.
 
 from __future__ import annotations
 
+import logging
+
 from .checkpointer import Checkpointer
 from .errors import (
     AccessDeniedError,
@@ -54,6 +56,9 @@ from .storage import load, verify
 from .transport import CheckpointProcess, CheckpointProcessConfig
 
 __version__ = "0.1.0"
+
+# A library logs, the application decides what is shown: without its configuration, nothing is.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "AccessDeniedError",

@@ -56,6 +56,9 @@ class UnsupportedValueError(PyshmckptError, TypeError):
         self.path = path
         self.reason = reason
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles (across processes) with its arguments
+        return type(self), (self.path, self.reason), self.__dict__
+
 
 class CapacityError(PyshmckptError, RuntimeError):
     """A state dict does not fit its slot and the arena is not allowed to grow."""
@@ -164,6 +167,9 @@ class WriterError(PyshmckptError, RuntimeError):
         super().__init__(message)
         self.exc_type = exc_type
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.args[0], self.exc_type), self.__dict__
+
 
 class WriterOSError(WriterError, OSError):
     """The writer failed with an `OSError`; ``errno`` and ``strerror`` are the writer's."""
@@ -176,6 +182,9 @@ class WriterOSError(WriterError, OSError):
 
     def __str__(self) -> str:  # the message with the writer's traceback, not "[Errno N] ..."
         return str(self.args[0])
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.args[0], self.exc_type, self.errno, self.strerror), self.__dict__
 
 
 class WriterDiedError(PyshmckptError, RuntimeError):
@@ -209,6 +218,9 @@ class CleanupError(PyshmckptError, RuntimeError):
         super().__init__("; ".join(f"{type(e).__name__}: {e}" for e in errors))
         self.errors = errors
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.errors,), self.__dict__
+
 
 # -- durable checkpoints ---------------------------------------------------------------------
 
@@ -233,6 +245,9 @@ class CheckpointCorruptError(PyshmckptError, ValueError):
         self.path = path
         self.tensor = tensor
         self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.path, self.reason, self.tensor), self.__dict__
 
 
 class PickleNotAllowedError(PyshmckptError, ValueError):

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-import pyshmckpt
+pytest.register_assert_rewrite("helpers")  # its checks must hold under python -O too
+
+from helpers import SAVE_TIMEOUT, gpt_state, opened, snapshot  # noqa: E402
+
+import pyshmckpt  # noqa: E402
 
 SHM = Path("/dev/shm")
 # Segments made through the Python layer in this session (children inherit the variable), so that
@@ -102,3 +109,32 @@ def trained():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     train_step(model, optimizer)
     return model, optimizer
+
+
+# -- a Checkpointer and a checkpoint shared by the tests of a module -------------------------
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[pyshmckpt.Checkpointer]:
+    """One Checkpointer for the tests that do not need a root of their own. Its arena is
+    allocated here (capacity given), so no test creates a segment through it."""
+    root = tmp_path_factory.mktemp("shared-root")
+    with opened(root, capacity_bytes=8 << 20) as ck:
+        yield ck
+
+
+@pytest.fixture(scope="module")
+def gpt_checkpoint(shared: pyshmckpt.Checkpointer) -> dict[str, Any]:
+    """A TinyGPT + AdamW (after one step) saved once through the safetensors writer.
+
+    Returns the committed path, the state as it was at save time (cloned), and deep copies of
+    the model and optimizer taken before saving (to continue training from)."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train_step(model, optimizer)
+    state = gpt_state(model, optimizer)
+    expected = snapshot(state)
+    reference = copy.deepcopy((model, optimizer))  # together: the optimizer keeps its params
+    path = shared.save(state, name="gpt").result(timeout=SAVE_TIMEOUT)
+    return {"path": path, "expected": expected, "reference": reference}

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import copy
 import gc
+import hashlib
+import json
 import os
+import struct
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -26,12 +30,18 @@ SHM = Path("/dev/shm")
 SAVE_TIMEOUT = 60.0  # seconds a single save may take (they take well under a second here)
 
 
+def test_dirs() -> list[str]:
+    """tests/ and its folders: where pytest imports test modules from (by their base names)."""
+    folders = sorted(str(d) for d in HERE.iterdir() if d.is_dir() and d.name[0] not in "._")
+    return [str(HERE), *folders]
+
+
 def child_env() -> dict[str, str]:
-    """This environment (the session's segment prefix included), with pyshmckpt and tests/
-    importable by a child interpreter."""
+    """This environment (the session's segment prefix included), with pyshmckpt, the helpers and
+    every test module importable by a child interpreter."""
     env = dict(os.environ)
     inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(REPO_ROOT), str(HERE), *inherited]))
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(REPO_ROOT), *test_dirs(), *inherited]))
     return env
 
 
@@ -153,3 +163,73 @@ def buffer_bases(buffer: Any) -> Callable[[torch.dtype], torch.Tensor]:
         return base
 
     return bases
+
+
+# -- state dicts and checkpoint files ---------------------------------------------------------
+
+
+def assert_same_tree(expected: Any, actual: Any, path: str = "state") -> None:
+    """Same container types, keys (in order), leaves, and bitwise-equal tensors."""
+    assert type(actual) is type(expected), (
+        f"{path}: {type(actual).__name__}, expected {type(expected).__name__}"
+    )
+    if isinstance(expected, torch.Tensor):
+        assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != {expected.dtype}"
+        assert actual.shape == expected.shape, (
+            f"{path}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+        )
+        assert same_bytes(actual, expected), f"{path}: tensor bytes differ"
+    elif isinstance(expected, dict):
+        assert list(actual) == list(expected), f"{path}: keys {list(actual)} != {list(expected)}"
+        for key in expected:
+            assert_same_tree(expected[key], actual[key], f"{path}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), f"{path}: length {len(actual)} != {len(expected)}"
+        for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
+            assert_same_tree(e, a, f"{path}[{i}]")
+    else:
+        assert actual == expected, f"{path}: {actual!r} != {expected!r}"
+
+
+def snapshot(state: Any) -> Any:
+    """A deep copy with every tensor cloned (aliasing kept), taken before anything changes."""
+    return copy.deepcopy(state)
+
+
+def gpt_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": 3}
+
+
+def tree_hash(directory: Path) -> dict[str, str]:
+    """sha256 of every file under `directory` (to show it was not touched)."""
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def read_st_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """(data start, header JSON) of a .safetensors file, parsed independently of pyshmckpt."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return 8 + n, json.loads(raw[8 : 8 + n])
+
+
+def write_st_header(path: Path, header: dict[str, Any]) -> None:
+    """Replace the header of a .safetensors file (data bytes kept), padded to 8 like the writer."""
+    start, _ = read_st_header(path)
+    data = path.read_bytes()[start:]
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
+
+
+def flip_tensor_byte(d: Path) -> None:
+    """Flip one byte in the middle of model.pos in the checkpoint directory `d`."""
+    st = d / "rank0.safetensors"
+    start, header = read_st_header(st)
+    begin, end = header["model.pos"]["data_offsets"]
+    data = bytearray(st.read_bytes())
+    data[start + (begin + end) // 2] ^= 0x5A
+    st.write_bytes(bytes(data))

@@ -1,10 +1,10 @@
-"""The durable-checkpoint layer: Checkpointer, the atomic commit, the writers, load/verify, the CLI.
+"""The front door (pyshmckpt/checkpointer.py): saving through the Checkpointer, its commit, names,
+retention and leftovers, refusals before staging, a full disk, abort and close.
 
 Every Checkpointer spawns a writer subprocess (1-3 s here), so most tests share one (`shared`,
-module scope, with its shared-memory arena allocated up front so that the per-test leak check of
-conftest sees no new segment) and a TinyGPT + AdamW checkpoint written once (`gpt_checkpoint`);
-corruption tests damage copies of that checkpoint. Every Checkpointer is closed (context manager
-or finally) and every wait is bounded.
+module scope, from conftest, with its shared-memory arena allocated up front so that the per-test
+leak check sees no new segment). Every Checkpointer is closed (context manager or finally) and
+every wait is bounded.
 
 Known library bugs are pinned by tests marked ``xfail(strict=True, reason="BUG: ...")``; tests of
 bugs fixed since are kept as regression tests (their docstrings say what used to go wrong).
@@ -14,30 +14,22 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import dataclasses
 import errno
-import hashlib
 import json
 import os
 import shutil
 import signal
-import struct
-import subprocess
-import sys
 import time
-import warnings
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from helpers import (
     SAVE_TIMEOUT,
+    assert_same_tree,
     bounded_config,
-    child_env,
     failure_of,
+    gpt_state,
     hidden,
     link_target,
     names_in,
@@ -45,6 +37,8 @@ from helpers import (
     pid_running,
     same_bytes,
     small_tmpfs,
+    snapshot,
+    tree_hash,
     visible,
     wait_until,
 )
@@ -56,11 +50,11 @@ from pyshmckpt import (
     Checkpointer,
     UnsupportedValueError,
 )
-from pyshmckpt import cli
 from pyshmckpt.shm import SlotState
 from pyshmckpt.storage import commit
 
 CLI_TIMEOUT = 120.0
+
 
 
 # --------------------------------------------------------------------------------------------
@@ -78,211 +72,6 @@ class Schedule:
 
     warmup: int
     decay: float
-
-
-def assert_same_tree(expected: Any, actual: Any, path: str = "state") -> None:
-    """Same container types, keys (in order), leaves, and bitwise-equal tensors."""
-    assert type(actual) is type(expected), (
-        f"{path}: {type(actual).__name__}, expected {type(expected).__name__}"
-    )
-    if isinstance(expected, torch.Tensor):
-        assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != {expected.dtype}"
-        assert actual.shape == expected.shape, (
-            f"{path}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-        )
-        assert same_bytes(actual, expected), f"{path}: tensor bytes differ"
-    elif isinstance(expected, dict):
-        assert list(actual) == list(expected), f"{path}: keys {list(actual)} != {list(expected)}"
-        for key in expected:
-            assert_same_tree(expected[key], actual[key], f"{path}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), f"{path}: length {len(actual)} != {len(expected)}"
-        for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
-            assert_same_tree(e, a, f"{path}[{i}]")
-    else:
-        assert actual == expected, f"{path}: {actual!r} != {expected!r}"
-
-
-def snapshot(state: Any) -> Any:
-    """A deep copy with every tensor cloned (aliasing kept), taken before anything changes."""
-    return copy.deepcopy(state)
-
-
-def gpt_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    return {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": 3}
-
-
-def tree_hash(directory: Path) -> dict[str, str]:
-    """sha256 of every file under `directory` (to show it was not touched)."""
-    return {
-        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
-
-
-def read_st_header(path: Path) -> tuple[int, dict[str, Any]]:
-    """(data start, header JSON) of a .safetensors file, parsed independently of pyshmckpt."""
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    return 8 + n, json.loads(raw[8 : 8 + n])
-
-
-def write_st_header(path: Path, header: dict[str, Any]) -> None:
-    """Replace the header of a .safetensors file (data bytes kept), padded to 8 like the writer."""
-    start, _ = read_st_header(path)
-    data = path.read_bytes()[start:]
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
-
-
-# --------------------------------------------------------------------------------------------
-# shared fixtures
-# --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Checkpointer]:
-    """One Checkpointer for the tests that do not need a root of their own. Its arena is
-    allocated here (capacity given), so no test creates a segment through it."""
-    root = tmp_path_factory.mktemp("shared-root")
-    with opened(root, capacity_bytes=8 << 20) as ck:
-        yield ck
-
-
-@pytest.fixture(scope="module")
-def gpt_checkpoint(shared: Checkpointer) -> dict[str, Any]:
-    """A TinyGPT + AdamW (after one step) saved once through the safetensors writer.
-
-    Returns the committed path, the state as it was at save time (cloned), and deep copies of
-    the model and optimizer taken before saving (to continue training from)."""
-    from conftest import TinyGPT, train_step
-
-    torch.manual_seed(0)
-    model = TinyGPT()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    train_step(model, optimizer)
-    state = gpt_state(model, optimizer)
-    expected = snapshot(state)
-    reference = copy.deepcopy((model, optimizer))  # together: the optimizer keeps its params
-    path = shared.save(state, name="gpt").result(timeout=SAVE_TIMEOUT)
-    return {"path": path, "expected": expected, "reference": reference}
-
-
-# --------------------------------------------------------------------------------------------
-# round trip through the safetensors writer
-# --------------------------------------------------------------------------------------------
-
-
-def test_round_trip_of_a_transformer_and_adamw_state(gpt_checkpoint, shared):
-    path, expected = gpt_checkpoint["path"], gpt_checkpoint["expected"]
-    assert path == shared.root / "gpt"
-    assert sorted(names_in(path)) == ["commit.json", "rank0.json", "rank0.safetensors"]
-
-    loaded = pyshmckpt.load(path)
-    assert_same_tree(expected, loaded)
-
-    # Container types: the module's OrderedDict (with its _metadata), int keys of the optimizer
-    # state, tuples (AdamW betas) inside param_groups, the plain int leaf.
-    assert type(loaded["model"]) is collections.OrderedDict
-    assert loaded["model"]._metadata == expected["model"]._metadata
-    assert all(type(k) is int for k in loaded["optim"]["state"])
-    group = loaded["optim"]["param_groups"][0]
-    assert type(group["betas"]) is tuple
-    assert group["betas"] == (0.9, 0.999)
-    assert group["params"] == expected["optim"]["param_groups"][0]["params"]
-    assert loaded["step"] == 3
-    assert type(loaded["step"]) is int
-
-    # Tied embeddings come back as aliases of one buffer.
-    model = loaded["model"]
-    assert model["embed.weight"].data_ptr() == model["head.weight"].data_ptr()
-    assert (
-        model["embed.weight"].untyped_storage().data_ptr()
-        == model["head.weight"].untyped_storage().data_ptr()
-    )
-
-    # verify() agrees and counts every tensor.
-    n_tensors = len(json.loads((path / "rank0.json").read_text())["tensors"])
-    assert pyshmckpt.verify(path) == n_tensors
-    # A file of the checkpoint names it too.
-    assert_same_tree(expected, pyshmckpt.load(path / "rank0.safetensors"))
-
-
-def test_loaded_state_resumes_training_exactly(gpt_checkpoint):
-    from conftest import TinyGPT, train_step
-
-    ref_model, ref_opt = copy.deepcopy(gpt_checkpoint["reference"])
-    loaded = pyshmckpt.load(gpt_checkpoint["path"])
-
-    torch.manual_seed(123)  # a different initialisation: everything must come from the checkpoint
-    model = TinyGPT()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model.load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optim"])
-    assert model.head.weight is model.embed.weight  # still tied after loading
-
-    for seed in (1, 2, 3):  # the later steps depend on the restored AdamW moments and step
-        expected_loss = train_step(ref_model, ref_opt, seed=seed)
-        loss = train_step(model, optimizer, seed=seed)
-        assert loss == expected_loss, f"step with seed {seed}: {loss!r} != {expected_loss!r}"
-    for (name, p), (_, q) in zip(
-        model.state_dict().items(), ref_model.state_dict().items(), strict=True
-    ):
-        assert same_bytes(p, q), name
-
-
-def test_safetensors_library_reads_the_file(gpt_checkpoint):
-    st = pytest.importorskip("safetensors")
-    from safetensors.torch import load_file
-
-    path, expected = gpt_checkpoint["path"], gpt_checkpoint["expected"]
-    tensors = load_file(str(path / "rank0.safetensors"))
-    with st.safe_open(str(path / "rank0.safetensors"), framework="pt") as f:
-        assert f.metadata()["format"] == "pyshmckpt"
-
-    model = expected["model"]
-    present = {key for key in model if f"model.{key}" in tensors}
-    for key in present:
-        assert same_bytes(tensors[f"model.{key}"], model[key]), key
-    # A key is absent only when it aliases a stored one (the tied head shares the embedding).
-    for key in set(model) - present:
-        assert any(model[key].data_ptr() == model[k].data_ptr() for k in present), (
-            f"model.{key} missing"
-        )
-    assert "model.embed.weight" in tensors
-    assert "model.pos" in tensors
-    # The optimizer's moments are ordinary named tensors too.
-    for index, slot in expected["optim"]["state"].items():
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            assert same_bytes(tensors[f"optim.state.{index}.{key}"], slot[key]), (index, key)
-
-
-def test_load_into_copies_in_place(gpt_checkpoint):
-    from conftest import TinyGPT
-
-    torch.manual_seed(7)
-    model = TinyGPT()
-    target = {"model": model.state_dict()}
-    pointers = {k: v.data_ptr() for k, v in target["model"].items()}
-    result = pyshmckpt.load(gpt_checkpoint["path"], into=target)
-    assert result is target
-    expected = gpt_checkpoint["expected"]["model"]
-    for key, value in target["model"].items():
-        assert value.data_ptr() == pointers[key], f"{key} was replaced, not copied into"
-        assert same_bytes(value, expected[key]), key
-    # The module itself now holds the checkpoint's weights (its state_dict tensors are views).
-    assert same_bytes(model.embed.weight, expected["embed.weight"])
-    assert same_bytes(model.head.weight, expected["embed.weight"])
-
-
-def test_load_into_rejects_a_different_structure(gpt_checkpoint):
-    path = gpt_checkpoint["path"]
-    with pytest.raises(ValueError, match="pos"):
-        pyshmckpt.load(path, into={"model": {"pos": torch.zeros(3, 3)}})
-    with pytest.raises(KeyError, match="nonexistent"):
-        pyshmckpt.load(path, into={"model": {"nonexistent": torch.zeros(1)}})
 
 
 # --------------------------------------------------------------------------------------------
@@ -530,83 +319,6 @@ def test_missing_or_non_directory_root_fails_before_anything_is_staged(tmp_path)
 
 
 # --------------------------------------------------------------------------------------------
-# the other writers
-# --------------------------------------------------------------------------------------------
-
-
-def test_torch_writer_writes_a_torch_loadable_file(tmp_path, trained):
-    model, optimizer = trained
-    state = gpt_state(model, optimizer)
-    expected = snapshot(state)
-    with opened(tmp_path, writer="torch") as ck:
-        path = ck.save(state).result(timeout=SAVE_TIMEOUT)
-    assert sorted(names_in(path)) == ["checkpoint_0.pt", "commit.json"]
-    assert ck.latest() == path
-
-    loaded = torch.load(path / "checkpoint_0.pt", weights_only=True)
-    assert_same_tree(expected, loaded)
-    assert loaded["model"]["embed.weight"].data_ptr() == loaded["model"]["head.weight"].data_ptr()
-
-    try:
-        from torch.distributed.checkpoint._experimental.checkpoint_reader import CheckpointReader
-        from torch.distributed.checkpoint._experimental.types import RankInfo
-    except ImportError:
-        pass  # torch without the experimental reader: torch.load above is the check
-    else:
-        read, missing = CheckpointReader(RankInfo(global_rank=0, global_world_size=1)).read(
-            str(path)
-        )
-        assert missing == []
-        assert_same_tree(expected, read)
-
-    with pytest.raises(CheckpointCorruptError, match="missing"):
-        pyshmckpt.load(path)  # not the safetensors layout: a clear error, not a crash
-
-
-def _zeros_like(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return torch.zeros_like(tree)
-    if isinstance(tree, dict):
-        out = type(tree)()
-        for key, value in tree.items():
-            out[key] = _zeros_like(value)
-        return out
-    return copy.deepcopy(tree)
-
-
-def test_dcp_writer_writes_a_dcp_loadable_checkpoint(tmp_path, trained):
-    import torch.distributed.checkpoint as dcp
-
-    model, optimizer = trained
-    state = {
-        "model": model.state_dict(),
-        "optim": {"state": optimizer.state_dict()["state"]},
-        "step": 3,
-    }
-    expected = snapshot(state)
-    with opened(tmp_path, writer="dcp") as ck:
-        path = ck.save(state, name="dcp").result(timeout=SAVE_TIMEOUT)
-    assert (path / ".metadata").is_file()
-    assert (path / commit.COMMIT_RECORD).is_file()
-    assert visible(tmp_path) == ["dcp"]
-    assert link_target(tmp_path / "latest") == "dcp"
-
-    target = _zeros_like(expected)
-    target["step"] = 0
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="torch.distributed is disabled", category=UserWarning
-        )
-        dcp.load(target, checkpoint_id=str(path), no_dist=True)
-    assert target["step"] == 3
-    for key, value in expected["model"].items():
-        assert same_bytes(target["model"][key], value), key
-    for index, slot in expected["optim"]["state"].items():
-        for key, value in slot.items():
-            assert same_bytes(target["optim"]["state"][index][key], value), (index, key)
-
-
-# --------------------------------------------------------------------------------------------
 # disk full
 # --------------------------------------------------------------------------------------------
 
@@ -635,262 +347,6 @@ def test_disk_full_fails_that_save_only(tmp_path):
         assert torch.equal(pyshmckpt.load(again)["w"], torch.full((75_000,), 3.0))
         assert ck.latest() == again
         assert hidden(root) == []
-
-
-# --------------------------------------------------------------------------------------------
-# corruption
-# --------------------------------------------------------------------------------------------
-
-
-def _flip_tensor_byte(d: Path) -> None:
-    st = d / "rank0.safetensors"
-    start, header = read_st_header(st)
-    begin, end = header["model.pos"]["data_offsets"]
-    data = bytearray(st.read_bytes())
-    data[start + (begin + end) // 2] ^= 0x5A
-    st.write_bytes(bytes(data))
-
-
-def _truncate(size: Callable[[int], int]) -> Callable[[Path], None]:
-    def damage(d: Path) -> None:
-        st = d / "rank0.safetensors"
-        os.truncate(st, size(st.stat().st_size))
-
-    return damage
-
-
-def _edit_tensor(**changes: Any) -> Callable[[Path], None]:
-    def damage(d: Path) -> None:
-        manifest = json.loads((d / "rank0.json").read_text())
-        for item in manifest["tensors"]:
-            if item["name"] == "model.pos":
-                item.update(changes)
-        (d / "rank0.json").write_text(json.dumps(manifest))
-
-    return damage
-
-
-def _edit_manifest(edit: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
-    def damage(d: Path) -> None:
-        manifest = json.loads((d / "rank0.json").read_text())
-        edit(manifest)
-        (d / "rank0.json").write_text(json.dumps(manifest))
-
-    return damage
-
-
-def _header_past_the_end(d: Path) -> None:
-    st = d / "rank0.safetensors"
-    _, header = read_st_header(st)
-    last = max(
-        (k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1]
-    )
-    header[last]["data_offsets"][1] += 1 << 20
-    write_st_header(st, header)
-
-
-def _header_overlapping(d: Path) -> None:
-    st = d / "rank0.safetensors"
-    _, header = read_st_header(st)
-    second = sorted(
-        (k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0]
-    )[1]
-    header[second]["data_offsets"] = [
-        x - 4 for x in header[second]["data_offsets"]
-    ]  # overlaps the first
-    write_st_header(st, header)
-
-
-@dataclasses.dataclass(frozen=True)
-class Corruption:
-    damage: Callable[[Path], None]
-    file: str  # the file the error must name
-    tensor: str | None = None  # the tensor (or entry) it must name
-    reason: str = ""  # a fragment of its reason
-    by_inspect: bool = True  # `pyshmckpt inspect` (descriptions only) detects it too
-    structural: bool = True  # found without checksums: load(verify=False) reports it too
-    source: str = "gpt"  # the checkpoint damaged: "gpt" or "ints"
-
-
-def _int_tensors_require_grad(manifest: dict[str, Any]) -> None:
-    for item in manifest["tensors"]:
-        if item["dtype"] == "int64":
-            item["flags"] = 2  # REQUIRES_GRAD, which only floating-point tensors can have
-
-
-ST, JS = "rank0.safetensors", "rank0.json"
-CHECKSUM_ONLY = {"by_inspect": False, "structural": False}
-TREE_ONLY = {"by_inspect": False}  # inspect lists tensors, it does not rebuild the structure
-CORRUPTIONS: dict[str, Corruption] = {
-    "flipped-byte": Corruption(_flip_tensor_byte, ST, "model.pos", "checksum", **CHECKSUM_ONLY),
-    "truncated-data": Corruption(_truncate(lambda n: n - 100), ST, None, "truncated"),
-    "truncated-header": Corruption(_truncate(lambda n: 100), ST, None, "truncated"),
-    "truncated-length": Corruption(_truncate(lambda n: 5), ST, None, "8-byte"),
-    "empty-data-file": Corruption(_truncate(lambda n: 0), ST),
-    "missing-manifest": Corruption(lambda d: (d / JS).unlink(), JS, None, "missing"),
-    "missing-data-file": Corruption(lambda d: (d / ST).unlink(), ST, None, "missing"),
-    "manifest-not-json": Corruption(lambda d: (d / JS).write_text("{"), JS, None, "unreadable"),
-    "manifest-not-ours": Corruption(lambda d: (d / JS).write_text("[1]"), JS, None, "not a"),
-    "offset-outside-entry": Corruption(_edit_tensor(offset=8192), ST, "model.pos", "outside"),
-    "shape-outside-entry": Corruption(_edit_tensor(shape=[64, 33]), ST, "model.pos", "outside"),
-    "stride-outside-entry": Corruption(_edit_tensor(stride=[33, 1]), ST, "model.pos", "outside"),
-    "negative-offset": Corruption(_edit_tensor(offset=-4), ST, "model.pos", "invalid"),
-    "unknown-entry": Corruption(_edit_tensor(entry="nope"), ST, "model.pos", "not in the file"),
-    "entry-not-a-string": Corruption(_edit_tensor(entry=["model.pos"]), ST, "model.pos"),
-    "unknown-dtype": Corruption(_edit_tensor(dtype="float99"), ST, "model.pos", "malformed"),
-    "integer-tensor-requires-grad": Corruption(
-        _edit_manifest(_int_tensors_require_grad), ST, "ids", source="ints"
-    ),
-    "no-checksum": Corruption(
-        _edit_manifest(lambda m: m["entries"].pop("model.pos")),
-        ST,
-        "model.pos",
-        "no checksum",
-        **CHECKSUM_ONLY,
-    ),  # fmt: skip
-    "checksum-of-a-missing-entry": Corruption(
-        _edit_manifest(lambda m: m["entries"].update(ghost={"crc32c": 1})),
-        ST,
-        "ghost",
-        "missing",
-        **CHECKSUM_ONLY,
-    ),  # fmt: skip
-    "tree-index-out-of-range": Corruption(
-        _edit_manifest(lambda m: m.update(tree={"t": 10**6})), JS, None, "structure", **TREE_ONLY
-    ),
-    "tree-garbage": Corruption(
-        _edit_manifest(lambda m: m.update(tree=[1])), JS, None, "structure", **TREE_ONLY
-    ),
-    "header-offsets-past-the-end": Corruption(_header_past_the_end, ST, None, "past the end"),
-    "header-overlap": Corruption(_header_overlapping, ST, None, "overlap"),
-}
-
-
-@pytest.fixture(scope="module")
-def int_checkpoint(shared: Checkpointer) -> Path:
-    """A checkpoint with an integer tensor (for the requires-grad case)."""
-    state = {"ids": torch.arange(16), "w": torch.ones(4)}
-    return shared.save(state, name="with-ints").result(SAVE_TIMEOUT)
-
-
-def _check_reported(case: Corruption, d: Path, call: Callable[[], Any]) -> None:
-    with pytest.raises(CheckpointCorruptError) as info:
-        call()
-    exc = info.value
-    assert isinstance(exc, ValueError)  # documented: a ValueError too
-    assert Path(exc.path) == d / case.file, str(exc)
-    if case.tensor is not None:
-        assert exc.tensor == case.tensor, str(exc)
-        assert f"[{case.tensor}]" in str(exc)
-    assert case.reason in exc.reason, str(exc)
-
-
-@pytest.mark.parametrize("kind", list(CORRUPTIONS))
-def test_corruption_is_reported_never_a_crash(
-    kind, tmp_path, gpt_checkpoint, int_checkpoint, capsys
-):
-    case = CORRUPTIONS[kind]
-    d = tmp_path / "ckpt"
-    shutil.copytree(int_checkpoint if case.source == "ints" else gpt_checkpoint["path"], d)
-    case.damage(d)
-
-    _check_reported(case, d, lambda: pyshmckpt.load(d))
-    if case.structural:
-        _check_reported(case, d, lambda: pyshmckpt.load(d, verify=False))
-    _check_reported(case, d, lambda: pyshmckpt.verify(d))
-
-    # The command line (in-process here; test_command_line_verify_and_inspect runs the real
-    # entry point) reports it, names the file, and exits 1 without a traceback.
-    capsys.readouterr()
-    assert cli.main(["verify", str(d)]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("CORRUPT: "), err
-    assert str(d / case.file) in err
-    if case.by_inspect:
-        assert cli.main(["inspect", str(d)]) == 1
-        err = capsys.readouterr().err
-        assert err.startswith("CORRUPT: "), err
-        assert str(d / case.file) in err
-
-
-def test_flipped_byte_loads_without_verification_and_differs(tmp_path, gpt_checkpoint):
-    d = tmp_path / "ckpt"
-    shutil.copytree(gpt_checkpoint["path"], d)
-    _flip_tensor_byte(d)
-    loaded = pyshmckpt.load(d, verify=False)  # the caller opted out: no error, no crash
-    expected = gpt_checkpoint["expected"]["model"]
-    assert not same_bytes(loaded["model"]["pos"], expected["pos"])
-    assert same_bytes(loaded["model"]["embed.weight"], expected["embed.weight"])
-
-
-def test_a_root_without_checkpoints_is_reported(tmp_path):
-    with pytest.raises(CheckpointCorruptError, match="missing"):
-        pyshmckpt.load(tmp_path)
-    with pytest.raises(CheckpointCorruptError, match="missing"):
-        pyshmckpt.verify(tmp_path / "nope")
-
-
-def test_command_line_verify_and_inspect(tmp_path, gpt_checkpoint):
-    path = gpt_checkpoint["path"]
-    corrupt = tmp_path / "corrupt"
-    shutil.copytree(path, corrupt)
-    _flip_tensor_byte(corrupt)
-    commands = {
-        "verify-ok": ["verify", str(path)],
-        "verify-corrupt": ["verify", str(corrupt)],
-        "inspect": ["inspect", str(path)],
-    }
-    # Started together: each one imports torch, which is most of its time.
-    procs = {
-        key: subprocess.Popen(
-            [sys.executable, "-m", "pyshmckpt", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=child_env(),
-            cwd=str(tmp_path),
-        )  # fmt: skip
-        for key, args in commands.items()
-    }
-    results = {}
-    try:
-        for key, proc in procs.items():
-            out, err = proc.communicate(timeout=CLI_TIMEOUT)
-            results[key] = (proc.returncode, out, err)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-
-    n_tensors = len(json.loads((path / "rank0.json").read_text())["tensors"])
-    rc, out, err = results["verify-ok"]
-    assert rc == 0, err
-    assert out.startswith("OK: ")
-    assert f"{n_tensors} tensors" in out
-
-    rc, out, err = results["verify-corrupt"]
-    assert rc == 1, (out, err)
-    assert "Traceback" not in err
-    assert str(corrupt / "rank0.safetensors") in err
-    assert "[model.pos]" in err
-    assert "checksum" in err
-
-    rc, out, err = results["inspect"]
-    assert rc == 0, err
-    lines = out.splitlines()
-    assert lines[0].split()[:4] == ["tensor", "dtype", "shape", "bytes"]
-    rows = {line.split()[0]: line for line in lines[1:-1]}
-    assert len(rows) == n_tensors
-    assert "float32" in rows["model.embed.weight"]
-    assert "(97, 32)" in rows["model.embed.weight"]
-    assert "(64, 32)" in rows["model.pos"]
-    assert "8,192" in rows["model.pos"]
-    assert "float32" in rows["optim.state.0.step"]
-    assert "()" in rows["optim.state.0.step"]
-    # The tied head is listed under its own name, stored in the embedding's entry.
-    assert rows["model.head.weight"].split()[-1] == "model.embed.weight"
-    assert lines[-1].startswith(f"{n_tensors} tensors")
 
 
 # --------------------------------------------------------------------------------------------
@@ -1022,43 +478,3 @@ def test_a_staged_dict_is_found_even_when_a_stale_slot_has_its_id():
         handle = stager.handle(live)
         assert handle is not None, "the staged dict is not found"
         assert handle.slot is live_slot
-
-
-# --------------------------------------------------------------------------------------------
-# loading to another device
-# --------------------------------------------------------------------------------------------
-
-
-def test_load_to_another_device_keeps_tied_weights_tied(gpt_checkpoint):
-    """With a map_location other than the CPU ("meta" stands for any device here), tensors that
-    share a storage share one there too (they used to be moved as independent copies)."""
-    model = pyshmckpt.load(gpt_checkpoint["path"], map_location="meta")["model"]
-    assert model["embed.weight"].device.type == "meta"
-    embed = model["embed.weight"].untyped_storage()._cdata
-    assert model["head.weight"].untyped_storage()._cdata == embed, (
-        "tied weights were moved as two copies"
-    )
-
-
-def test_load_to_another_device_keeps_module_metadata(gpt_checkpoint):
-    """The module state dict's OrderedDict keeps its _metadata when moved (it used to be dropped
-    by OrderedDict.copy())."""
-    model = pyshmckpt.load(gpt_checkpoint["path"], map_location="meta")["model"]
-    assert type(model) is collections.OrderedDict
-    assert getattr(model, "_metadata", None) == gpt_checkpoint["expected"]["model"]._metadata
-
-
-def test_moving_differently_typed_views_of_one_entry(shared):
-    """Regression: _move reused the storage made for the first (shorter, float32) base of the entry."""
-    from pyshmckpt.storage import reader
-
-    u8 = torch.arange(10, dtype=torch.uint8)
-    state = {"f": u8[:8].view(torch.float32), "u": u8}
-    path = shared.save(state, name="mixed-dtypes").result(timeout=SAVE_TIMEOUT)
-    loaded = pyshmckpt.load(path)
-    assert same_bytes(loaded["f"], state["f"])
-    assert same_bytes(loaded["u"], u8)
-    moved = reader._move(loaded, torch.device("cpu"))
-    assert same_bytes(moved["f"], state["f"])
-    assert same_bytes(moved["u"], u8)
-    assert moved["f"].untyped_storage().data_ptr() == moved["u"].untyped_storage().data_ptr()

@@ -27,7 +27,6 @@ from helpers import (
     failure_of,
     hidden,
     link_target,
-    names_in,
     opened,
     same_bytes,
     small_tmpfs,

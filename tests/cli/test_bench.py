@@ -7,14 +7,13 @@ import json
 import resource
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from pyshmckpt.cli import bench as bench_runner
 from helpers import HERE, child_env
 
-SUITE = HERE.parent / "bench"
+SUITE = HERE.parent / "bench"  # HERE is tests/
 MIB = 1 << 20
 RUN_TIMEOUT = 300
 

@@ -12,7 +12,6 @@ import torch
 import torch.multiprocessing  # noqa: F401  (registers torch's reductions on ForkingPickler)
 from multiprocessing.reduction import ForkingPickler
 
-import pyshmckpt
 from pyshmckpt import (
     CapacityError,
     ShmStager,

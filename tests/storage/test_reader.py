@@ -1,0 +1,373 @@
+"""pyshmckpt.load and verify (pyshmckpt/storage/reader.py): what a checkpoint written by the
+safetensors writer reads back as, and that no damage to its files goes unreported or crashes.
+
+The checkpoints come from the module's shared Checkpointer (conftest: `shared`, `gpt_checkpoint`);
+corruption tests damage copies of them.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import (
+    SAVE_TIMEOUT,
+    assert_same_tree,
+    flip_tensor_byte,
+    names_in,
+    read_st_header,
+    same_bytes,
+    write_st_header,
+)
+
+import pyshmckpt
+from pyshmckpt import CheckpointCorruptError, Checkpointer
+from pyshmckpt.cli import main as cli_main
+
+
+# --------------------------------------------------------------------------------------------
+# round trip through the safetensors writer
+# --------------------------------------------------------------------------------------------
+
+
+def test_round_trip_of_a_transformer_and_adamw_state(gpt_checkpoint, shared):
+    path, expected = gpt_checkpoint["path"], gpt_checkpoint["expected"]
+    assert path == shared.root / "gpt"
+    assert sorted(names_in(path)) == ["commit.json", "rank0.json", "rank0.safetensors"]
+
+    loaded = pyshmckpt.load(path)
+    assert_same_tree(expected, loaded)
+
+    # Container types: the module's OrderedDict (with its _metadata), int keys of the optimizer
+    # state, tuples (AdamW betas) inside param_groups, the plain int leaf.
+    assert type(loaded["model"]) is collections.OrderedDict
+    assert loaded["model"]._metadata == expected["model"]._metadata
+    assert all(type(k) is int for k in loaded["optim"]["state"])
+    group = loaded["optim"]["param_groups"][0]
+    assert type(group["betas"]) is tuple
+    assert group["betas"] == (0.9, 0.999)
+    assert group["params"] == expected["optim"]["param_groups"][0]["params"]
+    assert loaded["step"] == 3
+    assert type(loaded["step"]) is int
+
+    # Tied embeddings come back as aliases of one buffer.
+    model = loaded["model"]
+    assert model["embed.weight"].data_ptr() == model["head.weight"].data_ptr()
+    assert (
+        model["embed.weight"].untyped_storage().data_ptr()
+        == model["head.weight"].untyped_storage().data_ptr()
+    )
+
+    # verify() agrees and counts every tensor.
+    n_tensors = len(json.loads((path / "rank0.json").read_text())["tensors"])
+    assert pyshmckpt.verify(path) == n_tensors
+    # A file of the checkpoint names it too.
+    assert_same_tree(expected, pyshmckpt.load(path / "rank0.safetensors"))
+
+
+def test_loaded_state_resumes_training_exactly(gpt_checkpoint):
+    from conftest import TinyGPT, train_step
+
+    ref_model, ref_opt = copy.deepcopy(gpt_checkpoint["reference"])
+    loaded = pyshmckpt.load(gpt_checkpoint["path"])
+
+    torch.manual_seed(123)  # a different initialisation: everything must come from the checkpoint
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optim"])
+    assert model.head.weight is model.embed.weight  # still tied after loading
+
+    for seed in (1, 2, 3):  # the later steps depend on the restored AdamW moments and step
+        expected_loss = train_step(ref_model, ref_opt, seed=seed)
+        loss = train_step(model, optimizer, seed=seed)
+        assert loss == expected_loss, f"step with seed {seed}: {loss!r} != {expected_loss!r}"
+    for (name, p), (_, q) in zip(
+        model.state_dict().items(), ref_model.state_dict().items(), strict=True
+    ):
+        assert same_bytes(p, q), name
+
+
+def test_safetensors_library_reads_the_file(gpt_checkpoint):
+    st = pytest.importorskip("safetensors")
+    from safetensors.torch import load_file
+
+    path, expected = gpt_checkpoint["path"], gpt_checkpoint["expected"]
+    tensors = load_file(str(path / "rank0.safetensors"))
+    with st.safe_open(str(path / "rank0.safetensors"), framework="pt") as f:
+        assert f.metadata()["format"] == "pyshmckpt"
+
+    model = expected["model"]
+    present = {key for key in model if f"model.{key}" in tensors}
+    for key in present:
+        assert same_bytes(tensors[f"model.{key}"], model[key]), key
+    # A key is absent only when it aliases a stored one (the tied head shares the embedding).
+    for key in set(model) - present:
+        assert any(model[key].data_ptr() == model[k].data_ptr() for k in present), (
+            f"model.{key} missing"
+        )
+    assert "model.embed.weight" in tensors
+    assert "model.pos" in tensors
+    # The optimizer's moments are ordinary named tensors too.
+    for index, slot in expected["optim"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert same_bytes(tensors[f"optim.state.{index}.{key}"], slot[key]), (index, key)
+
+
+def test_load_into_copies_in_place(gpt_checkpoint):
+    from conftest import TinyGPT
+
+    torch.manual_seed(7)
+    model = TinyGPT()
+    target = {"model": model.state_dict()}
+    pointers = {k: v.data_ptr() for k, v in target["model"].items()}
+    result = pyshmckpt.load(gpt_checkpoint["path"], into=target)
+    assert result is target
+    expected = gpt_checkpoint["expected"]["model"]
+    for key, value in target["model"].items():
+        assert value.data_ptr() == pointers[key], f"{key} was replaced, not copied into"
+        assert same_bytes(value, expected[key]), key
+    # The module itself now holds the checkpoint's weights (its state_dict tensors are views).
+    assert same_bytes(model.embed.weight, expected["embed.weight"])
+    assert same_bytes(model.head.weight, expected["embed.weight"])
+
+
+def test_load_into_rejects_a_different_structure(gpt_checkpoint):
+    path = gpt_checkpoint["path"]
+    with pytest.raises(ValueError, match="pos"):
+        pyshmckpt.load(path, into={"model": {"pos": torch.zeros(3, 3)}})
+    with pytest.raises(KeyError, match="nonexistent"):
+        pyshmckpt.load(path, into={"model": {"nonexistent": torch.zeros(1)}})
+
+
+# --------------------------------------------------------------------------------------------
+# corruption
+# --------------------------------------------------------------------------------------------
+
+
+def _truncate(size: Callable[[int], int]) -> Callable[[Path], None]:
+    def damage(d: Path) -> None:
+        st = d / "rank0.safetensors"
+        os.truncate(st, size(st.stat().st_size))
+
+    return damage
+
+
+def _edit_tensor(**changes: Any) -> Callable[[Path], None]:
+    def damage(d: Path) -> None:
+        manifest = json.loads((d / "rank0.json").read_text())
+        for item in manifest["tensors"]:
+            if item["name"] == "model.pos":
+                item.update(changes)
+        (d / "rank0.json").write_text(json.dumps(manifest))
+
+    return damage
+
+
+def _edit_manifest(edit: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
+    def damage(d: Path) -> None:
+        manifest = json.loads((d / "rank0.json").read_text())
+        edit(manifest)
+        (d / "rank0.json").write_text(json.dumps(manifest))
+
+    return damage
+
+
+def _header_past_the_end(d: Path) -> None:
+    st = d / "rank0.safetensors"
+    _, header = read_st_header(st)
+    last = max(
+        (k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1]
+    )
+    header[last]["data_offsets"][1] += 1 << 20
+    write_st_header(st, header)
+
+
+def _header_overlapping(d: Path) -> None:
+    st = d / "rank0.safetensors"
+    _, header = read_st_header(st)
+    second = sorted(
+        (k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0]
+    )[1]
+    header[second]["data_offsets"] = [
+        x - 4 for x in header[second]["data_offsets"]
+    ]  # overlaps the first
+    write_st_header(st, header)
+
+
+@dataclasses.dataclass(frozen=True)
+class Corruption:
+    damage: Callable[[Path], None]
+    file: str  # the file the error must name
+    tensor: str | None = None  # the tensor (or entry) it must name
+    reason: str = ""  # a fragment of its reason
+    by_inspect: bool = True  # `pyshmckpt inspect` (descriptions only) detects it too
+    structural: bool = True  # found without checksums: load(verify=False) reports it too
+    source: str = "gpt"  # the checkpoint damaged: "gpt" or "ints"
+
+
+def _int_tensors_require_grad(manifest: dict[str, Any]) -> None:
+    for item in manifest["tensors"]:
+        if item["dtype"] == "int64":
+            item["flags"] = 2  # REQUIRES_GRAD, which only floating-point tensors can have
+
+
+ST, JS = "rank0.safetensors", "rank0.json"
+CHECKSUM_ONLY = {"by_inspect": False, "structural": False}
+TREE_ONLY = {"by_inspect": False}  # inspect lists tensors, it does not rebuild the structure
+CORRUPTIONS: dict[str, Corruption] = {
+    "flipped-byte": Corruption(flip_tensor_byte, ST, "model.pos", "checksum", **CHECKSUM_ONLY),
+    "truncated-data": Corruption(_truncate(lambda n: n - 100), ST, None, "truncated"),
+    "truncated-header": Corruption(_truncate(lambda n: 100), ST, None, "truncated"),
+    "truncated-length": Corruption(_truncate(lambda n: 5), ST, None, "8-byte"),
+    "empty-data-file": Corruption(_truncate(lambda n: 0), ST),
+    "missing-manifest": Corruption(lambda d: (d / JS).unlink(), JS, None, "missing"),
+    "missing-data-file": Corruption(lambda d: (d / ST).unlink(), ST, None, "missing"),
+    "manifest-not-json": Corruption(lambda d: (d / JS).write_text("{"), JS, None, "unreadable"),
+    "manifest-not-ours": Corruption(lambda d: (d / JS).write_text("[1]"), JS, None, "not a"),
+    "offset-outside-entry": Corruption(_edit_tensor(offset=8192), ST, "model.pos", "outside"),
+    "shape-outside-entry": Corruption(_edit_tensor(shape=[64, 33]), ST, "model.pos", "outside"),
+    "stride-outside-entry": Corruption(_edit_tensor(stride=[33, 1]), ST, "model.pos", "outside"),
+    "negative-offset": Corruption(_edit_tensor(offset=-4), ST, "model.pos", "invalid"),
+    "unknown-entry": Corruption(_edit_tensor(entry="nope"), ST, "model.pos", "not in the file"),
+    "entry-not-a-string": Corruption(_edit_tensor(entry=["model.pos"]), ST, "model.pos"),
+    "unknown-dtype": Corruption(_edit_tensor(dtype="float99"), ST, "model.pos", "malformed"),
+    "integer-tensor-requires-grad": Corruption(
+        _edit_manifest(_int_tensors_require_grad), ST, "ids", source="ints"
+    ),
+    "no-checksum": Corruption(
+        _edit_manifest(lambda m: m["entries"].pop("model.pos")),
+        ST,
+        "model.pos",
+        "no checksum",
+        **CHECKSUM_ONLY,
+    ),  # fmt: skip
+    "checksum-of-a-missing-entry": Corruption(
+        _edit_manifest(lambda m: m["entries"].update(ghost={"crc32c": 1})),
+        ST,
+        "ghost",
+        "missing",
+        **CHECKSUM_ONLY,
+    ),  # fmt: skip
+    "tree-index-out-of-range": Corruption(
+        _edit_manifest(lambda m: m.update(tree={"t": 10**6})), JS, None, "structure", **TREE_ONLY
+    ),
+    "tree-garbage": Corruption(
+        _edit_manifest(lambda m: m.update(tree=[1])), JS, None, "structure", **TREE_ONLY
+    ),
+    "header-offsets-past-the-end": Corruption(_header_past_the_end, ST, None, "past the end"),
+    "header-overlap": Corruption(_header_overlapping, ST, None, "overlap"),
+}
+
+
+@pytest.fixture(scope="module")
+def int_checkpoint(shared: Checkpointer) -> Path:
+    """A checkpoint with an integer tensor (for the requires-grad case)."""
+    state = {"ids": torch.arange(16), "w": torch.ones(4)}
+    return shared.save(state, name="with-ints").result(SAVE_TIMEOUT)
+
+
+def _check_reported(case: Corruption, d: Path, call: Callable[[], Any]) -> None:
+    with pytest.raises(CheckpointCorruptError) as info:
+        call()
+    exc = info.value
+    assert isinstance(exc, ValueError)  # documented: a ValueError too
+    assert Path(exc.path) == d / case.file, str(exc)
+    if case.tensor is not None:
+        assert exc.tensor == case.tensor, str(exc)
+        assert f"[{case.tensor}]" in str(exc)
+    assert case.reason in exc.reason, str(exc)
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_corruption_is_reported_never_a_crash(
+    kind, tmp_path, gpt_checkpoint, int_checkpoint, capsys
+):
+    case = CORRUPTIONS[kind]
+    d = tmp_path / "ckpt"
+    shutil.copytree(int_checkpoint if case.source == "ints" else gpt_checkpoint["path"], d)
+    case.damage(d)
+
+    _check_reported(case, d, lambda: pyshmckpt.load(d))
+    if case.structural:
+        _check_reported(case, d, lambda: pyshmckpt.load(d, verify=False))
+    _check_reported(case, d, lambda: pyshmckpt.verify(d))
+
+    # The command line (in-process here; test_command_line_verify_and_inspect runs the real
+    # entry point) reports it, names the file, and exits 1 without a traceback.
+    capsys.readouterr()
+    assert cli_main(["verify", str(d)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("CORRUPT: "), err
+    assert str(d / case.file) in err
+    if case.by_inspect:
+        assert cli_main(["inspect", str(d)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("CORRUPT: "), err
+        assert str(d / case.file) in err
+
+
+def test_flipped_byte_loads_without_verification_and_differs(tmp_path, gpt_checkpoint):
+    d = tmp_path / "ckpt"
+    shutil.copytree(gpt_checkpoint["path"], d)
+    flip_tensor_byte(d)
+    loaded = pyshmckpt.load(d, verify=False)  # the caller opted out: no error, no crash
+    expected = gpt_checkpoint["expected"]["model"]
+    assert not same_bytes(loaded["model"]["pos"], expected["pos"])
+    assert same_bytes(loaded["model"]["embed.weight"], expected["embed.weight"])
+
+
+def test_a_root_without_checkpoints_is_reported(tmp_path):
+    with pytest.raises(CheckpointCorruptError, match="missing"):
+        pyshmckpt.load(tmp_path)
+    with pytest.raises(CheckpointCorruptError, match="missing"):
+        pyshmckpt.verify(tmp_path / "nope")
+
+
+# --------------------------------------------------------------------------------------------
+# loading to another device
+# --------------------------------------------------------------------------------------------
+
+
+def test_load_to_another_device_keeps_tied_weights_tied(gpt_checkpoint):
+    """With a map_location other than the CPU ("meta" stands for any device here), tensors that
+    share a storage share one there too (they used to be moved as independent copies)."""
+    model = pyshmckpt.load(gpt_checkpoint["path"], map_location="meta")["model"]
+    assert model["embed.weight"].device.type == "meta"
+    embed = model["embed.weight"].untyped_storage()._cdata
+    assert model["head.weight"].untyped_storage()._cdata == embed, (
+        "tied weights were moved as two copies"
+    )
+
+
+def test_load_to_another_device_keeps_module_metadata(gpt_checkpoint):
+    """The module state dict's OrderedDict keeps its _metadata when moved (it used to be dropped
+    by OrderedDict.copy())."""
+    model = pyshmckpt.load(gpt_checkpoint["path"], map_location="meta")["model"]
+    assert type(model) is collections.OrderedDict
+    assert getattr(model, "_metadata", None) == gpt_checkpoint["expected"]["model"]._metadata
+
+
+def test_moving_differently_typed_views_of_one_entry(shared):
+    """Regression: _move reused the storage made for the first (shorter, float32) base of the entry."""
+    from pyshmckpt.storage import reader
+
+    u8 = torch.arange(10, dtype=torch.uint8)
+    state = {"f": u8[:8].view(torch.float32), "u": u8}
+    path = shared.save(state, name="mixed-dtypes").result(timeout=SAVE_TIMEOUT)
+    loaded = pyshmckpt.load(path)
+    assert same_bytes(loaded["f"], state["f"])
+    assert same_bytes(loaded["u"], u8)
+    moved = reader._move(loaded, torch.device("cpu"))
+    assert same_bytes(moved["f"], state["f"])
+    assert same_bytes(moved["u"], u8)
+    assert moved["f"].untyped_storage().data_ptr() == moved["u"].untyped_storage().data_ptr()
