@@ -34,7 +34,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )  # fmt: skip
     parser.addoption("--bench-json", default=None, help="write the medians and ratios here")
     parser.addoption("--bench-dir", default=None, help="directory the persist benchmarks write to")
-    parser.addoption("--bench-quick", action="store_true", help="sweeps: only the small sizes, fewer rounds")
+    parser.addoption(
+        "--bench-quick", action="store_true", help="sweeps: only the small sizes, fewer rounds"
+    )
     parser.addoption(
         "--bench-max-gib", type=float, default=None,
         help="sweeps: largest state size (default: a fifth of the available memory)",
@@ -106,7 +108,11 @@ def sweep_cases(config: pytest.Config) -> list[SweepCase]:
     if quick:
         sizes = sizes[:2]
     points = [(size, SIZE_AXIS_TENSORS) for size in sizes]
-    points += [(COUNT_AXIS_BYTES[quick], n) for n in COUNTS[quick] if (COUNT_AXIS_BYTES[quick], n) not in points]
+    points += [
+        (COUNT_AXIS_BYTES[quick], n)
+        for n in COUNTS[quick]
+        if (COUNT_AXIS_BYTES[quick], n) not in points
+    ]
     cases = []
     for nbytes, tensors in points:
         for phase in ("staging", "e2e"):
@@ -125,7 +131,11 @@ def machine() -> dict[str, Any]:
                             "torch": torch.__version__, "python": platform.python_version()}  # fmt: skip
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
-        info["cpu"] = next(line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name"))
+        info["cpu"] = next(
+            line.split(":", 1)[1].strip()
+            for line in cpuinfo.splitlines()
+            if line.startswith("model name")
+        )
         meminfo = Path("/proc/meminfo").read_text().split()
         info["memory_gib"] = round(int(meminfo[meminfo.index("MemTotal:") + 1]) / 2**20, 1)
     except (OSError, StopIteration, ValueError):
@@ -142,7 +152,15 @@ def add_row(benchmark: Any, **fields: Any) -> None:
     gib_s = fields["nbytes"] / GIB / stats.median if stats.median > 0 else None
     benchmark.extra_info.update(fields)
     benchmark.extra_info["GiB/s"] = round(gib_s, 3) if gib_s else None
-    ROWS.append({**fields, "median_s": stats.median, "min_s": stats.min, "rounds": len(stats.data), "GiB_per_s": gib_s})
+    ROWS.append(
+        {
+            **fields,
+            "median_s": stats.median,
+            "min_s": stats.min,
+            "rounds": len(stats.data),
+            "GiB_per_s": gib_s,
+        }
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -192,15 +210,39 @@ RATIOS = [
     ("first stage / steady state, 8192 tensors (ours)", "ours_first_8192", "ours_steady_8192"),
     ("torch DefaultStager bandwidth, 8192 tensors / numpy.copyto", "copyto", "torch_steady_8192"),
     ("torch DefaultStager first / steady, 8192 tensors", "torch_first_8192", "torch_steady_8192"),
-    ("ours vs torch DefaultStager speed-up, steady, 8192 tensors", "torch_steady_8192", "ours_steady_8192"),
-    ("end to end speed-up over torch, ShmStager, 8192 tensors", "e2e_torch_8192", "e2e_ours_shm_8192"),
-    ("end to end speed-up over torch, plain dict, 8192 tensors", "e2e_torch_8192", "e2e_ours_plain_8192"),
+    (
+        "ours vs torch DefaultStager speed-up, steady, 8192 tensors",
+        "torch_steady_8192",
+        "ours_steady_8192",
+    ),
+    (
+        "end to end speed-up over torch, ShmStager, 8192 tensors",
+        "e2e_torch_8192",
+        "e2e_ours_shm_8192",
+    ),
+    (
+        "end to end speed-up over torch, plain dict, 8192 tensors",
+        "e2e_torch_8192",
+        "e2e_ours_plain_8192",
+    ),
     ("end to end speed-up over torch, ShmStager, 256 tensors", "e2e_torch_256", "e2e_ours_shm_256"),
-    ("end to end speed-up over torch, plain dict, 256 tensors", "e2e_torch_256", "e2e_ours_plain_256"),
+    (
+        "end to end speed-up over torch, plain dict, 256 tensors",
+        "e2e_torch_256",
+        "e2e_ours_plain_256",
+    ),
     ("handoff speed-up over torch, 8192 tensors", "handoff_torch_8192", "handoff_ours_8192"),
     ("persist bandwidth, ours (writer) / dd conv=fsync", "persist_dd", "persist_ours"),
-    ("persist bandwidth, ours O_DIRECT (writer) / dd conv=fsync", "persist_dd", "persist_ours_direct"),
-    ("persist bandwidth, ours O_DIRECT (writer) / dd oflag=direct", "persist_dd_direct", "persist_ours_direct"),
+    (
+        "persist bandwidth, ours O_DIRECT (writer) / dd conv=fsync",
+        "persist_dd",
+        "persist_ours_direct",
+    ),
+    (
+        "persist bandwidth, ours O_DIRECT (writer) / dd oflag=direct",
+        "persist_dd_direct",
+        "persist_ours_direct",
+    ),
     ("save end to end bandwidth, ours / dd conv=fsync", "persist_dd", "save_ours"),
     ("save end to end bandwidth, ours / torch.save + fsync", "persist_torch_save", "save_ours"),
 ]

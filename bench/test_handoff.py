@@ -18,21 +18,26 @@ alone" is the time from write() of an already-staged state dict until the writer
 from __future__ import annotations
 
 import pytest
+
 from conftest import make_state, record
 from transports import NoopWriter, PageTouchingWriter, ours_process, side
 
 
 @pytest.fixture(scope="module", params=[256, 8192], ids=lambda n: f"{n}tensors")
 def state(request, total_bytes):
-    yield request.param, make_state(total_bytes, request.param)
+    return request.param, make_state(total_bytes, request.param)
 
 
-@pytest.mark.parametrize(("side_name", "median_name", "rounds"), [("ours", "e2e_ours_shm", 5), ("torch", "e2e_torch", 3)])
+@pytest.mark.parametrize(
+    ("side_name", "median_name", "rounds"), [("ours", "e2e_ours_shm", 5), ("torch", "e2e_torch", 3)]
+)
 def test_stage_handoff_and_writer(benchmark, state, total_bytes, side_name, median_name, rounds):
     count, sd = state
     benchmark.group = f"stage + handoff + persist: {count} tensors"
     with side(side_name, PageTouchingWriter, total_bytes + (8 << 20)) as (cp, stager):
-        benchmark.pedantic(lambda: cp.write(stager.stage(sd), "unused").result(), rounds=rounds, warmup_rounds=2)
+        benchmark.pedantic(
+            lambda: cp.write(stager.stage(sd), "unused").result(), rounds=rounds, warmup_rounds=2
+        )
     record(benchmark, f"{median_name}_{count}", total_bytes)
 
 
@@ -55,7 +60,12 @@ def test_handoff_alone_ours(benchmark, state, total_bytes):
         def setup():
             return (stager.stage(sd),), {}  # a fresh staged dict per round, staged untimed
 
-        benchmark.pedantic(lambda staged: cp.write(staged, "unused").result(), setup=setup, rounds=20, warmup_rounds=2)
+        benchmark.pedantic(
+            lambda staged: cp.write(staged, "unused").result(),
+            setup=setup,
+            rounds=20,
+            warmup_rounds=2,
+        )
     record(benchmark, f"handoff_ours_{count}", total_bytes)
 
 

@@ -27,10 +27,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import GIB, MEDIANS, make_state
 
 import pyshmckpt
 from pyshmckpt.storage.commit import fsync_path
+
+from conftest import GIB, MEDIANS, make_state
 
 ROUNDS = 7
 

@@ -13,10 +13,11 @@ import gc
 import numpy as np
 import pytest
 import torch
-from conftest import record
-from transports import torch_stager
 
 from pyshmckpt import ShmStager
+
+from conftest import record
+from transports import torch_stager
 
 ROUNDS = 7
 

@@ -26,10 +26,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import MIB, ROWS, add_row, sweep_cases
-from transports import PageTouchingWriter, side, torch_stager
 
 from pyshmckpt import ShmStager
+
+from conftest import MIB, ROWS, add_row, sweep_cases
+from transports import PageTouchingWriter, side, torch_stager
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -55,7 +56,11 @@ def state_for(nbytes: int, count: int) -> dict[str, torch.Tensor]:
 @contextlib.contextmanager
 def _staging(case: Any) -> Iterator[Callable[[], Any]]:
     sd = state_for(case.nbytes, case.tensors)
-    stager = ShmStager(capacity_bytes=case.nbytes + (8 << 20)) if case.transport == "ours" else torch_stager()
+    stager = (
+        ShmStager(capacity_bytes=case.nbytes + (8 << 20))
+        if case.transport == "ours"
+        else torch_stager()
+    )
     try:
         yield lambda: stager.stage(sd)
     finally:
@@ -90,4 +95,10 @@ def test_sweep(benchmark, case):
     benchmark.group = f"{case.phase}: {case.nbytes // MIB} MiB, {case.tensors} tensors"
     with (_staging if case.phase == "staging" else _e2e)(case) as run:
         benchmark.pedantic(run, rounds=case.rounds, warmup_rounds=1)
-    add_row(benchmark, phase=case.phase, transport=case.transport, nbytes=case.nbytes, tensors=case.tensors)
+    add_row(
+        benchmark,
+        phase=case.phase,
+        transport=case.transport,
+        nbytes=case.nbytes,
+        tensors=case.tensors,
+    )

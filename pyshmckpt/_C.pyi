@@ -5,7 +5,6 @@ from typing import Any
 import numpy as np
 from typing_extensions import Buffer, Self
 
-
 HEADER_SIZE: int
 TOKEN_SIZE: int
 

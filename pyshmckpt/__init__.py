@@ -42,13 +42,13 @@ from .errors import (
     StagerClosedError,
     StagingTimeoutError,
     UnsupportedValueError,
-    WriteTimeoutError,
     WriterDiedError,
     WriterError,
     WriterOSError,
     WriterShutdownTimeoutError,
     WriterStartError,
     WriterStartTimeoutError,
+    WriteTimeoutError,
 )
 from .shm import Arena, Slot, SlotState, collect_stale_segments, cuda_available, cuda_compiled
 from .staging import Manifest, ShmStager, StagedHandle, TensorEntry

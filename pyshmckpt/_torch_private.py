@@ -36,7 +36,7 @@ def shared_fd_storage(fd: int, nbytes: int) -> torch.UntypedStorage:
     """A CPU storage over `nbytes` of the shared-memory file `fd`, mapped by torch's own
     allocator: torch's multiprocessing pickler then sends it as this one descriptor."""
     new = torch.UntypedStorage._new_shared_fd_cpu  # type: ignore[attr-defined]
-    return new(fd, nbytes)  # type: ignore[no-any-return]
+    return new(fd, nbytes)
 
 
 def storage_use_count(storage: torch.UntypedStorage) -> int:

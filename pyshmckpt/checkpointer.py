@@ -129,13 +129,19 @@ class Checkpointer:
         run_id: str | None = None,
     ) -> None:
         self._closed = True
-        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        if keep_last is not None and (
+            isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+        ):
             raise ConfigError(f"keep_last must be a positive int or None, not {keep_last!r}")
         self.root = Path(root)
         spec = writer_spec(writer)
         self._allow_pickle = bool(allow_pickle)
         self.rank, self.world_size = _place(rank, world_size)
-        if isinstance(barrier_timeout, bool) or not isinstance(barrier_timeout, (int, float)) or barrier_timeout <= 0:
+        if (
+            isinstance(barrier_timeout, bool)
+            or not isinstance(barrier_timeout, (int, float))
+            or barrier_timeout <= 0
+        ):
             raise ConfigError(f"barrier_timeout must be a positive number, not {barrier_timeout!r}")
         writer_args = spec.arguments(
             keep_last=keep_last, world_size=self.world_size, barrier_timeout=barrier_timeout,
@@ -147,7 +153,9 @@ class Checkpointer:
         self._attempts = itertools.count(1)
         plain_only = spec.needs_plain_leaves and not self._allow_pickle
         self._stager = ShmStager(
-            capacity_bytes=capacity_bytes, slots=slots, validate=_check_plain if plain_only else None
+            capacity_bytes=capacity_bytes,
+            slots=slots,
+            validate=_check_plain if plain_only else None,
         )
         base = config or CheckpointProcessConfig()
         try:

@@ -174,7 +174,9 @@ class WriterError(PyshmckptError, RuntimeError):
 class WriterOSError(WriterError, OSError):
     """The writer failed with an `OSError`; ``errno`` and ``strerror`` are the writer's."""
 
-    def __init__(self, message: str, exc_type: str | None, code: int | None, strerror: str | None) -> None:
+    def __init__(
+        self, message: str, exc_type: str | None, code: int | None, strerror: str | None
+    ) -> None:
         OSError.__init__(self, message)
         self.exc_type = exc_type
         self.errno = code

@@ -13,9 +13,9 @@ import torch
 
 pytest.register_assert_rewrite("helpers")  # its checks must hold under python -O too
 
-from helpers import SAVE_TIMEOUT, gpt_state, opened, snapshot  # noqa: E402
-
 import pyshmckpt  # noqa: E402
+
+from helpers import SAVE_TIMEOUT, gpt_state, opened, snapshot  # noqa: E402
 
 SHM = Path("/dev/shm")
 # Segments made through the Python layer in this session (children inherit the variable), so that
@@ -57,10 +57,7 @@ def no_leaked_segments():
         leaked = our_segments() - before
     if leaked:
         for name in leaked:  # do not let one leak fail every later test
-            try:
-                os.unlink(SHM / name)
-            except FileNotFoundError:
-                pass
+            (SHM / name).unlink(missing_ok=True)
         pytest.fail(f"test left shared-memory segments behind: {sorted(leaked)}")
 
 

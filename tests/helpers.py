@@ -58,7 +58,9 @@ def pid_running(pid: int) -> bool:
     return proc_state(pid) not in (None, "Z", "X")
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str, poll: float = 0.01) -> float:
+def wait_until(
+    predicate: Callable[[], bool], timeout: float, what: str, poll: float = 0.01
+) -> float:
     """Poll `predicate` until true; returns the seconds it took. Fails the test after `timeout`."""
     start = time.monotonic()
     while not predicate():

@@ -19,7 +19,10 @@ PACKAGE = Path(pyshmckpt.__file__).resolve().parent
 
 # Bottom to top. A module may import from its own layer and the ones before it, never after.
 LAYERS = [
-    ("foundation", {"pyshmckpt.errors", "pyshmckpt.knobs", "pyshmckpt._log", "pyshmckpt._torch_private"}),
+    (
+        "foundation",
+        {"pyshmckpt.errors", "pyshmckpt.knobs", "pyshmckpt._log", "pyshmckpt._torch_private"},
+    ),
     ("shm", {"pyshmckpt.shm"}),
     ("staging", {"pyshmckpt.staging"}),
     ("storage", {"pyshmckpt.storage"}),
@@ -63,7 +66,11 @@ def imports(module: str, path: Path) -> list[tuple[int, str]]:
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names if alias.name.split(".")[0] == "pyshmckpt"]
+            found += [
+                (node.lineno, alias.name)
+                for alias in node.names
+                if alias.name.split(".")[0] == "pyshmckpt"
+            ]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -75,9 +82,15 @@ def imports(module: str, path: Path) -> list[tuple[int, str]]:
                 continue
             for alias in node.names:
                 candidate = f"{target}.{alias.name}"
-                found.append((node.lineno, candidate if candidate in known or alias.name == "_C" else target))
+                found.append(
+                    (node.lineno, candidate if candidate in known or alias.name == "_C" else target)
+                )
         elif isinstance(node, ast.Call) and _called(node.func) in ("import_module", "__import__"):
-            if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            if (
+                node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
                 if node.args[0].value.split(".")[0] == "pyshmckpt":
                     found.append((node.lineno, node.args[0].value))
     return found
@@ -95,7 +108,9 @@ def test_every_module_belongs_to_a_layer():
 
 
 def test_layers_are_the_package_folders():
-    folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    folders = sorted(
+        p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()
+    )
     assert folders == ["cli", "integrations", "shm", "staging", "storage", "transport"]
 
 
@@ -118,7 +133,9 @@ def test_every_import_points_down():
 def test_the_layer_check_resolves_relative_imports(tmp_path):
     """What the walker sees of a module in shm that imports upwards, relatively and absolutely."""
     probe = tmp_path / "probe.py"
-    probe.write_text("from ..transport import channel\nfrom .. import checkpointer\nimport pyshmckpt.cli\n")
+    probe.write_text(
+        "from ..transport import channel\nfrom .. import checkpointer\nimport pyshmckpt.cli\n"
+    )
     found = [target for _, target in imports("pyshmckpt.shm.probe", probe)]
     assert found == ["pyshmckpt.transport.channel", "pyshmckpt.checkpointer", "pyshmckpt.cli"]
     assert all(layer_of(target) > layer_of("pyshmckpt.shm.probe") for target in found)
@@ -152,12 +169,16 @@ def test_torch_private_names_only_in_one_module():
             continue
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
-            private_import = isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch") and any(
-                part.startswith("_") for part in (node.module or "").split(".")
+            private_import = (
+                isinstance(node, ast.ImportFrom)
+                and (node.module or "").startswith("torch")
+                and any(part.startswith("_") for part in (node.module or "").split("."))
             )
             if private_import or (isinstance(node, ast.Attribute) and _is_torch_private(node)):
                 offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
-    assert not offenders, "torch private names outside pyshmckpt/_torch_private.py: " + ", ".join(offenders)
+    assert not offenders, "torch private names outside pyshmckpt/_torch_private.py: " + ", ".join(
+        offenders
+    )
 
 
 def test_no_assert_statements_in_the_package():
@@ -172,7 +193,9 @@ def test_no_assert_statements_in_the_package():
 
 
 BUILTIN_EXCEPTIONS = {
-    name for name, value in vars(builtins).items() if isinstance(value, type) and issubclass(value, BaseException)
+    name
+    for name, value in vars(builtins).items()
+    if isinstance(value, type) and issubclass(value, BaseException)
 }
 # Raised on purpose and never an error: interpreter exits and the iterator protocol.
 ALLOWED = {"SystemExit", "KeyboardInterrupt", "StopIteration", "GeneratorExit"}

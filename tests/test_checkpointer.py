@@ -24,6 +24,17 @@ import time
 
 import pytest
 import torch
+
+import pyshmckpt
+from pyshmckpt import (
+    CheckpointAbortedError,
+    CheckpointCorruptError,
+    Checkpointer,
+    UnsupportedValueError,
+)
+from pyshmckpt.shm import SlotState
+from pyshmckpt.storage import commit
+
 from helpers import (
     SAVE_TIMEOUT,
     assert_same_tree,
@@ -43,18 +54,7 @@ from helpers import (
     wait_until,
 )
 
-import pyshmckpt
-from pyshmckpt import (
-    CheckpointAbortedError,
-    CheckpointCorruptError,
-    Checkpointer,
-    UnsupportedValueError,
-)
-from pyshmckpt.shm import SlotState
-from pyshmckpt.storage import commit
-
 CLI_TIMEOUT = 120.0
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,7 +201,8 @@ def test_allow_pickle_round_trip_needs_allow_pickle_to_load(tmp_path):
     loaded = pyshmckpt.load(path, allow_pickle=True)
     assert_same_tree(expected, loaded)
     assert loaded["d"].default_factory is list
-    assert loaded["pair"].weight.dtype == torch.int16 and loaded["pair"].step == 4
+    assert loaded["pair"].weight.dtype == torch.int16
+    assert loaded["pair"].step == 4
 
 
 def test_a_namedtuple_needs_pickle_and_is_refused_before_staging(tmp_path):

@@ -31,6 +31,11 @@ from typing import Any
 
 import pytest
 import torch
+
+import pyshmckpt
+from pyshmckpt import WriterDiedError
+from pyshmckpt.storage import commit
+
 from helpers import (
     SHM,
     child_env,
@@ -42,10 +47,6 @@ from helpers import (
     visible,
     wait_until,
 )
-
-import pyshmckpt
-from pyshmckpt import WriterDiedError
-from pyshmckpt.storage import commit
 
 # Kills: at least MIN_ITERATIONS, more (up to MAX_ITERATIONS) while under BUDGET seconds. Each
 # costs a trainer start (python, torch, the writer's spawn: 4-5 s here, twice that under

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import inspect
 import pickle
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +18,15 @@ ERROR_CLASSES = [
     for _, cls in inspect.getmembers(errors, inspect.isclass)
     if issubclass(cls, BaseException) and cls.__module__ == errors.__name__
 ]
-BUILTIN_BASES = (TypeError, ValueError, RuntimeError, TimeoutError, OSError, ImportError, LookupError)
+BUILTIN_BASES = (
+    TypeError,
+    ValueError,
+    RuntimeError,
+    TimeoutError,
+    OSError,
+    ImportError,
+    LookupError,
+)
 
 
 def sample(cls: type[BaseException]) -> BaseException:
@@ -40,7 +49,13 @@ def sample(cls: type[BaseException]) -> BaseException:
 
 def test_the_hierarchy_is_complete():
     names = {cls.__name__ for cls in ERROR_CLASSES}
-    assert {"WriterError", "WriterDiedError", "WriteTimeoutError", "CommitError", "CheckpointCorruptError"} <= names
+    assert {
+        "WriterError",
+        "WriterDiedError",
+        "WriteTimeoutError",
+        "CommitError",
+        "CheckpointCorruptError",
+    } <= names
 
 
 @pytest.mark.parametrize("cls", ERROR_CLASSES, ids=lambda c: c.__name__)
@@ -50,11 +65,15 @@ def test_every_error_is_ours_and_a_builtin(cls):
         return
     assert issubclass(cls, errors.PyshmckptError)
     if cls is not errors.PyshmckptError:
-        assert issubclass(cls, BUILTIN_BASES), f"{cls.__name__} derives from no builtin a caller would catch"
+        assert issubclass(cls, BUILTIN_BASES), (
+            f"{cls.__name__} derives from no builtin a caller would catch"
+        )
     assert getattr(pyshmckpt, cls.__name__) is cls, f"{cls.__name__} is not exported by pyshmckpt"
 
 
-@pytest.mark.parametrize("cls", [c for c in ERROR_CLASSES if not issubclass(c, Warning)], ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls", [c for c in ERROR_CLASSES if not issubclass(c, Warning)], ids=lambda c: c.__name__
+)
 def test_every_error_survives_pickle(cls):
     """Errors cross process boundaries (futures of a process pool, DCP's background process)."""
     original = sample(cls)
@@ -88,13 +107,15 @@ def test_os_error_picks_the_class_oserror_would(code, builtin):
 
 def test_from_os_error_keeps_the_errno_and_chains_the_original():
     try:
-        open("/nonexistent/dir/file")  # noqa: SIM115
+        Path("/nonexistent/dir/file").open()
     except OSError as exc:
         converted = errors.from_os_error(exc, "cannot open the manifest")
     assert isinstance(converted, FileNotFoundError)
     assert isinstance(converted, pyshmckpt.PyshmckptError)
     assert converted.errno == errno.ENOENT
-    assert str(converted).startswith("[Errno 2] cannot open the manifest: No such file or directory")
+    assert str(converted).startswith(
+        "[Errno 2] cannot open the manifest: No such file or directory"
+    )
     assert isinstance(converted.__cause__, FileNotFoundError)
     assert errors.from_os_error(converted, "again") is converted
 

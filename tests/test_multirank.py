@@ -22,6 +22,7 @@ import pyshmckpt
 from pyshmckpt import Checkpointer, CommitError, cli
 from pyshmckpt.storage import reader
 from pyshmckpt.storage.safetensors_writer import file_names
+
 from helpers import (
     SAVE_TIMEOUT,
     failure_of,
@@ -40,12 +41,18 @@ def ranks(root: Path, world_size: int, **kwargs: Any) -> Iterator[list[Checkpoin
     """One Checkpointer per rank (rank 0 first, as it removes leftovers when it opens the root)."""
     kwargs.setdefault("run_id", "r" + secrets.token_hex(4))
     with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(opened(root, rank=r, world_size=world_size, **kwargs)) for r in range(world_size)]
+        yield [
+            stack.enter_context(opened(root, rank=r, world_size=world_size, **kwargs))
+            for r in range(world_size)
+        ]
 
 
 def rank_state(rank: int, step: int, numel: int = 1000) -> dict[str, Any]:
     return {
-        "model": {"w": torch.full((numel,), float(rank * 100 + step)), "rank_id": torch.tensor([rank])},
+        "model": {
+            "w": torch.full((numel,), float(rank * 100 + step)),
+            "rank_id": torch.tensor([rank]),
+        },
         "step": step,
         "rank": rank,
     }
@@ -61,12 +68,14 @@ def test_every_rank_writes_its_files_into_one_committed_checkpoint(tmp_path):
         assert record["world_size"] == 3
         expected = {"commit.json"} | {name for r in range(3) for name in file_names(r)}
         assert {p.name for p in checkpoint.iterdir()} == expected  # no markers left behind
-        assert visible(tmp_path) == ["step-1"] and hidden(tmp_path) == []
+        assert visible(tmp_path) == ["step-1"]
+        assert hidden(tmp_path) == []
         assert link_target(tmp_path / "latest") == "step-1"
         for r in range(3):
             loaded = pyshmckpt.load(checkpoint, rank=r)
             assert same_bytes(loaded["model"]["w"], rank_state(r, 1)["model"]["w"])
-            assert loaded["rank"] == r and loaded["step"] == 1
+            assert loaded["rank"] == r
+            assert loaded["step"] == 1
             assert json.loads((checkpoint / f"rank{r}.json").read_text())["world_size"] == 3
         assert reader.ranks(checkpoint) == [0, 1, 2]
         assert all(ck.latest() == checkpoint for ck in cks)
@@ -74,7 +83,8 @@ def test_every_rank_writes_its_files_into_one_committed_checkpoint(tmp_path):
         # Automatic names agree when every rank saves equally often.
         futures = [ck.save(rank_state(r, 2)) for r, ck in enumerate(cks)]
         second = {f.result(timeout=SAVE_TIMEOUT) for f in futures}
-        assert len(second) == 1 and second != {checkpoint}
+        assert len(second) == 1
+        assert second != {checkpoint}
         assert cks[0].latest() == second.pop()
 
 
@@ -132,16 +142,22 @@ def test_a_rank_that_runs_out_of_disk_fails_the_save_on_every_rank(tmp_path):
         # Ranks 0 and 2 finish their files first (else rank 1's partial file may fill the disk
         # under them, and they fail on their own ENOSPC), then rank 1 writes 4 MB on 2 MB.
         zero, two = (cks[r].save(rank_state(r, 2), name="full") for r in (0, 2))
+
         def marked() -> set[str]:
             return {m.name for m in root.glob(".tmp-full-*/.rank*.done")}
 
-        wait_until(lambda: {".rank0.done", ".rank2.done"} <= marked(), SAVE_TIMEOUT, "ranks 0 and 2 to finish their files")
+        wait_until(
+            lambda: {".rank0.done", ".rank2.done"} <= marked(),
+            SAVE_TIMEOUT,
+            "ranks 0 and 2 to finish their files",
+        )
         one = cks[1].save(rank_state(1, 2, numel=1_000_000), name="full")
         errors = [failure_of(f) for f in (zero, one, two)]
         assert "No space left" in str(errors[1]) or "Errno 28" in str(errors[1]), errors[1]
         for exc in (errors[0], errors[2]):  # both report rank 1's own error
             text = f"{type(exc).__name__}: {exc}"
-            assert "CommitError" in text and "rank 1 failed to write its files" in text, text
+            assert "CommitError" in text, text
+            assert "rank 1 failed to write its files" in text, text
             assert "No space left" in text or "Errno 28" in text, text
         assert visible(root) == ["fits"]
         assert [n for n in hidden(root) if not n.startswith(".failed-full-")] == []
@@ -158,7 +174,8 @@ def test_torch_writer_across_ranks_uses_torch_file_names(tmp_path):
         assert {f.result(timeout=SAVE_TIMEOUT) for f in futures} == {tmp_path / "t"}
     for r in range(2):
         loaded = torch.load(tmp_path / "t" / f"checkpoint_{r}.pt", weights_only=True)
-        assert loaded["rank"] == r and same_bytes(loaded["model"]["w"], rank_state(r, 1)["model"]["w"])
+        assert loaded["rank"] == r
+        assert same_bytes(loaded["model"]["w"], rank_state(r, 1)["model"]["w"])
 
 
 def test_only_rank_zero_removes_leftovers(tmp_path):
@@ -191,7 +208,9 @@ def test_files_of_another_attempt_are_never_committed(tmp_path):
         time.sleep(0.5)  # rank 0 is waiting for rank 1 now; the stale marker must not satisfy it
         assert not zero.done()
         one = cks[1].save(rank_state(1, 1), name="c")
-        assert {zero.result(timeout=SAVE_TIMEOUT), one.result(timeout=SAVE_TIMEOUT)} == {tmp_path / "c"}
+        assert {zero.result(timeout=SAVE_TIMEOUT), one.result(timeout=SAVE_TIMEOUT)} == {
+            tmp_path / "c"
+        }
         assert pyshmckpt.load(tmp_path / "c", rank=1)["rank"] == 1
         assert stale.exists(), "another run's temporary is only removed when a root is opened"
 
@@ -230,4 +249,5 @@ def test_bad_rank_arguments_are_refused_before_any_process_starts(tmp_path, kwar
 
 
 def test_commit_error_is_exported():
-    assert issubclass(CommitError, pyshmckpt.PyshmckptError) and issubclass(CommitError, RuntimeError)
+    assert issubclass(CommitError, pyshmckpt.PyshmckptError)
+    assert issubclass(CommitError, RuntimeError)

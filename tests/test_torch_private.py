@@ -10,7 +10,9 @@ import torch
 
 from pyshmckpt import _torch_private
 
-EXPERIMENTAL = [(module, name) for module, names in _torch_private.EXPERIMENTAL.items() for name in names]
+EXPERIMENTAL = [
+    (module, name) for module, names in _torch_private.EXPERIMENTAL.items() for name in names
+]
 
 
 @pytest.mark.parametrize(("where", "name"), _torch_private.REQUIRED, ids=lambda x: str(x))

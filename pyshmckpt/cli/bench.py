@@ -24,23 +24,50 @@ from ..errors import from_os_error, os_error
 GIB = 1 << 30
 MIB = 1 << 20
 PHASES = {"staging": "staging", "e2e": "stage + handoff + writer reads every page"}
-TRANSPORTS = {"ours": "pyshmckpt (ShmStager + CheckpointProcess)", "torch": "torch (DefaultStager + pipe)"}
+TRANSPORTS = {
+    "ours": "pyshmckpt (ShmStager + CheckpointProcess)",
+    "torch": "torch (DefaultStager + pipe)",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="only the small end of the sweeps, fewer rounds (about 1 min)")
-    parser.add_argument("--output", type=Path, default=Path("bench-results"), help="where results and plots go")
-    parser.add_argument("--suite", type=Path, default=None, help="the bench/ directory (default: found)")
-    parser.add_argument("--timeout", type=float, default=3 * 3600, help="seconds the whole run may take")
-    parser.add_argument("--report-only", action="store_true", help="only print the table and plot DIR/results.json again")
-    parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: extra pytest arguments")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="only the small end of the sweeps, fewer rounds (about 1 min)",
+    )
+    parser.add_argument(
+        "--output", type=Path, default=Path("bench-results"), help="where results and plots go"
+    )
+    parser.add_argument(
+        "--suite", type=Path, default=None, help="the bench/ directory (default: found)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=3 * 3600, help="seconds the whole run may take"
+    )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="only print the table and plot DIR/results.json again",
+    )
+    parser.add_argument(
+        "pytest_args", nargs=argparse.REMAINDER, help="after --: extra pytest arguments"
+    )
 
 
 def find_suite(given: Path | None) -> Path:
     """The bench/ directory: `given`, ./bench, or the one beside the package's source tree."""
-    candidates = [given] if given is not None else [Path.cwd() / "bench", Path(__file__).resolve().parents[2] / "bench"]
+    candidates = (
+        [given]
+        if given is not None
+        else [Path.cwd() / "bench", Path(__file__).resolve().parents[2] / "bench"]
+    )
     for candidate in candidates:
-        if candidate is not None and (candidate / "conftest.py").is_file() and (candidate / "test_sweep.py").is_file():
+        if (
+            candidate is not None
+            and (candidate / "conftest.py").is_file()
+            and (candidate / "test_sweep.py").is_file()
+        ):
             return candidate.resolve()
     where = ", ".join(str(c) for c in candidates)
     raise os_error(
@@ -125,7 +152,9 @@ def comparison(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             errors.setdefault(key, {})[row["transport"]] = str(row.get("error", "failed"))
     out = []
-    for (phase, nbytes, tensors), medians in sorted(cases.items(), key=lambda kv: (list(PHASES).index(kv[0][0]), kv[0][1], kv[0][2])):
+    for (phase, nbytes, tensors), medians in sorted(
+        cases.items(), key=lambda kv: (list(PHASES).index(kv[0][0]), kv[0][1], kv[0][2])
+    ):
         line: dict[str, Any] = {"phase": phase, "nbytes": nbytes, "tensors": tensors}
         for transport, error in errors.get((phase, nbytes, tensors), {}).items():
             line[f"{transport}_error"] = error
@@ -139,25 +168,31 @@ def comparison(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _cell(line: dict[str, Any], key: str, fmt: str, width: int) -> str:
+    if key in line:
+        return format(line[key], fmt).rjust(width)
+    failed = f"{key.split('_')[0]}_error" in line and key.endswith("_ms")
+    return ("failed" if failed else "-").rjust(width)
+
+
 def format_table(lines: list[dict[str, Any]]) -> str:
-    header = f"{'phase':8s} {'size':>8s} {'tensors':>8s} {'ours ms':>10s} {'GiB/s':>7s} {'torch ms':>10s} {'GiB/s':>7s} {'speed-up':>9s}"
+    header = (
+        f"{'phase':8s} {'size':>8s} {'tensors':>8s} {'ours ms':>10s} {'GiB/s':>7s} "
+        f"{'torch ms':>10s} {'GiB/s':>7s} {'speed-up':>9s}"
+    )
     text = [header, "-" * len(header)]
     notes = []
     for line in lines:
-        notes += [f"  {t} failed at {_label(line['nbytes'])}, {line['tensors']} tensors: {line[f'{t}_error']}"
-                  for t in TRANSPORTS if f"{t}_error" in line]  # fmt: skip
-
-        def cell(key: str, fmt: str, width: int) -> str:
-            if key in line:
-                return format(line[key], fmt).rjust(width)
-            failed = f"{key.split('_')[0]}_error" in line and key.endswith("_ms")
-            return ("failed" if failed else "-").rjust(width)
-
+        notes += [
+            f"  {t} failed at {_label(line['nbytes'])}, {line['tensors']} tensors: {line[f'{t}_error']}"
+            for t in TRANSPORTS
+            if f"{t}_error" in line
+        ]
         text.append(
             f"{line['phase']:8s} {_label(line['nbytes']):>8s} {line['tensors']:8d} "
-            f"{cell('ours_ms', ',.1f', 10)} {cell('ours_GiB_per_s', '.2f', 7)} "
-            f"{cell('torch_ms', ',.1f', 10)} {cell('torch_GiB_per_s', '.2f', 7)} {cell('speedup', '.1f', 8)}"
-            + ("x" if "speedup" in line else " ")
+            f"{_cell(line, 'ours_ms', ',.1f', 10)} {_cell(line, 'ours_GiB_per_s', '.2f', 7)} "
+            f"{_cell(line, 'torch_ms', ',.1f', 10)} {_cell(line, 'torch_GiB_per_s', '.2f', 7)} "
+            f"{_cell(line, 'speedup', '.1f', 8)}" + ("x" if "speedup" in line else " ")
         )
     return "\n".join(text + notes)
 
@@ -175,27 +210,40 @@ def plot(results: dict[str, Any], output: Path) -> list[Path]:
     subtitle = f"{machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} cores" + (
         f", {machine['gpu']}" if machine.get("gpu") else ""
     )
+    size_tensors = axes_info.get("size_axis_tensors")
+    count_bytes = axes_info.get("count_axis_bytes")
     plots = [
-        ("throughput_vs_size.png", "nbytes", "tensors", axes_info.get("size_axis_tensors"), "state size (MiB)", MIB,
-         f"throughput against state size ({axes_info.get('size_axis_tensors')} tensors)"),
-        ("throughput_vs_tensors.png", "tensors", "nbytes", axes_info.get("count_axis_bytes"), "tensors in the state dict", 1,
-         f"throughput against tensor count ({_label(int(axes_info.get('count_axis_bytes') or 0))})"),
+        (
+            "throughput_vs_size.png", "nbytes", "tensors", size_tensors, "state size (MiB)", MIB,
+            f"throughput against state size ({size_tensors} tensors)",
+        ),
+        (
+            "throughput_vs_tensors.png", "tensors", "nbytes", count_bytes, "tensors in the state dict", 1,
+            f"throughput against tensor count ({_label(int(count_bytes or 0))})",
+        ),
     ]  # fmt: skip
     written = []
     for name, x_key, fixed_key, fixed_value, x_label, x_unit, title in plots:
         fig, panels = plt.subplots(1, len(PHASES), figsize=(11, 4.2), squeeze=False)
-        for panel, (phase, phase_title) in zip(panels[0], PHASES.items()):
+        for panel, (phase, phase_title) in zip(panels[0], PHASES.items(), strict=True):
             for transport, label in TRANSPORTS.items():
                 points = sorted(
                     (r[x_key] / x_unit, r["GiB_per_s"])
                     for r in rows
-                    if r["phase"] == phase and r["transport"] == transport and r[fixed_key] == fixed_value and r["GiB_per_s"]
+                    if r["phase"] == phase
+                    and r["transport"] == transport
+                    and r[fixed_key] == fixed_value
+                    and r["GiB_per_s"]
                 )
                 if points:
-                    xs, ys = zip(*points)
+                    xs, ys = zip(*points, strict=True)
                     panel.plot(xs, ys, marker="o", label=label)
-            failed = [f"{TRANSPORTS[r['transport']].split(' ')[0]} fails at {r[x_key] // x_unit:g}: {r['error'].split(':')[0]}"
-                      for r in rows if r["phase"] == phase and r[fixed_key] == fixed_value and r.get("error")]  # fmt: skip
+            failed = [
+                f"{TRANSPORTS[r['transport']].split(' ')[0]} fails at {r[x_key] // x_unit:g}: "
+                f"{r['error'].split(':')[0]}"
+                for r in rows
+                if r["phase"] == phase and r[fixed_key] == fixed_value and r.get("error")
+            ]
             if failed:
                 panel.text(0.98, 0.98, "\n".join(failed), transform=panel.transAxes, fontsize=8, color="crimson",
                            ha="right", va="top")  # fmt: skip
@@ -212,7 +260,9 @@ def plot(results: dict[str, Any], output: Path) -> list[Path]:
             if panel.get_lines():
                 panel.legend(fontsize=8)
             else:
-                panel.text(0.5, 0.5, "not measured", transform=panel.transAxes, ha="center", color="gray")
+                panel.text(
+                    0.5, 0.5, "not measured", transform=panel.transAxes, ha="center", color="gray"
+                )
         fig.suptitle(f"{title}\n{subtitle}", fontsize=10)
         fig.tight_layout()
         path = output / name
@@ -248,7 +298,10 @@ def main(args: argparse.Namespace) -> int:
     if args.report_only:
         missing = [m for m in missing if m == "matplotlib"]
     if missing:
-        print(f"pyshmckpt bench needs {', '.join(missing)}: pip install 'pyshmckpt[bench]'", file=sys.stderr)
+        print(
+            f"pyshmckpt bench needs {', '.join(missing)}: pip install 'pyshmckpt[bench]'",
+            file=sys.stderr,
+        )
         return 2
     if args.report_only:
         return report(args.output.resolve())

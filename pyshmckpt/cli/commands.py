@@ -17,7 +17,9 @@ def _gc(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     for info in segments:
         action = verb if info.name in removed_names else "kept"
-        print(f"{action:12s} {info.name}  {info.size / 2**20:10.1f} MiB  owner {info.owner_pid}: {info.reason}")
+        print(
+            f"{action:12s} {info.name}  {info.size / 2**20:10.1f} MiB  owner {info.owner_pid}: {info.reason}"
+        )
     print(f"{len(removed)} stale segment(s) {verb}, {len(segments) - len(removed)} in use")
     return 0
 
@@ -56,7 +58,9 @@ def _inspect(args: argparse.Namespace) -> int:
     total = 0
     for r in rows:
         total += r["nbytes"]
-        print(f"{r['name']:{width}s}  {r['dtype']:14s} {str(tuple(r['shape'])):22s} {r['nbytes']:14,d}  {r['entry']}")
+        print(
+            f"{r['name']:{width}s}  {r['dtype']:14s} {str(tuple(r['shape'])):22s} {r['nbytes']:14,d}  {r['entry']}"
+        )
     print(f"{len(rows)} tensors, {total:,d} bytes")
     return 0
 
@@ -88,25 +92,37 @@ def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="pyshmckpt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo_parser = sub.add_parser(
-        "demo", help="train a small GPT, checkpoint it through pyshmckpt and through torch's transport, compare"
+        "demo",
+        help="train a small GPT, checkpoint it through pyshmckpt and through torch's transport, compare",
     )
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(run=_demo)
-    bench_parser = sub.add_parser("bench", help="run the benchmark suite (bench/), print the comparison, write JSON and plots")
+    bench_parser = sub.add_parser(
+        "bench", help="run the benchmark suite (bench/), print the comparison, write JSON and plots"
+    )
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(run=_bench)
     gc = sub.add_parser("gc", help="remove shared-memory segments whose owner process is gone")
-    gc.add_argument("--prefix", default=None, help="segment name prefix (default: PYSHMCKPT_SEGMENT_PREFIX or pyshmckpt)")
+    gc.add_argument(
+        "--prefix",
+        default=None,
+        help="segment name prefix (default: PYSHMCKPT_SEGMENT_PREFIX or pyshmckpt)",
+    )
     gc.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     gc.set_defaults(run=_gc)
-    verify = sub.add_parser("verify", help="check a checkpoint's checksums and structure (exit 1 if corrupt)")
+    verify = sub.add_parser(
+        "verify", help="check a checkpoint's checksums and structure (exit 1 if corrupt)"
+    )
     verify.add_argument("path", help="a checkpoint directory, or a root (its latest)")
-    verify.add_argument("--rank", type=int, default=None, help="check only this rank (default: every rank)")
+    verify.add_argument(
+        "--rank", type=int, default=None, help="check only this rank (default: every rank)"
+    )
     verify.set_defaults(run=_verify)
-    inspect = sub.add_parser("inspect", help="list a checkpoint's tensors, dtypes, shapes and bytes")
+    inspect = sub.add_parser(
+        "inspect", help="list a checkpoint's tensors, dtypes, shapes and bytes"
+    )
     inspect.add_argument("path", help="a checkpoint directory, or a root (its latest)")
     inspect.add_argument("--rank", type=int, default=0)
     inspect.set_defaults(run=_inspect)
     args = parser.parse_args(argv)
     return int(args.run(args))
-

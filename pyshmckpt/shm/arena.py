@@ -102,7 +102,9 @@ class Slot:
             raise from_os_error(exc, f"cannot create a {capacity}-byte shared-memory slot") from exc
         try:
             self.offset = int(self.segment.data_offset)
-            self.storage = _torch_private.shared_fd_storage(self.segment.fd, self.segment.mapped_size)
+            self.storage = _torch_private.shared_fd_storage(
+                self.segment.fd, self.segment.mapped_size
+            )
         except BaseException:
             self.segment.close()
             raise
@@ -137,7 +139,9 @@ class Slot:
         )
 
     def address(self) -> SlotAddress:
-        return SlotAddress(self.name, int(self.segment.size), bytes(self.segment.token), self.offset)
+        return SlotAddress(
+            self.name, int(self.segment.size), bytes(self.segment.token), self.offset
+        )
 
     def copy_from_host_async(self, rows: np.ndarray) -> HostCopy:
         """Start copying host memory into the slot on the native thread pool (GIL released)."""
@@ -175,11 +179,11 @@ class Arena:
     is True (or None and CUDA is available); this is the expensive step, and it happens once.
     """
 
-    def __init__(
-        self, slot_capacity: int, num_slots: int = 2, *, pin: bool | None = None
-    ) -> None:
+    def __init__(self, slot_capacity: int, num_slots: int = 2, *, pin: bool | None = None) -> None:
         if not isinstance(slot_capacity, int) or isinstance(slot_capacity, bool):
-            raise ConfigTypeError(f"slot_capacity must be an int, not {type(slot_capacity).__name__}")
+            raise ConfigTypeError(
+                f"slot_capacity must be an int, not {type(slot_capacity).__name__}"
+            )
         if not isinstance(num_slots, int) or isinstance(num_slots, bool):
             raise ConfigTypeError(f"num_slots must be an int, not {type(num_slots).__name__}")
         if slot_capacity <= 0:
@@ -275,7 +279,8 @@ class Arena:
             return [
                 slot
                 for slot in self.slots
-                if slot.staged_id == staged_id and slot.state in (SlotState.READY, SlotState.WRITING)
+                if slot.staged_id == staged_id
+                and slot.state in (SlotState.READY, SlotState.WRITING)
             ]
 
     def idle(self) -> bool:

@@ -58,7 +58,7 @@ class SlotMapping:
         """CRC32C of each (offset, nbytes) row, on the native thread pool (GIL released)."""
         shifted = np.array(ranges, dtype=np.uint64, copy=True).reshape(-1, 2)
         shifted[:, 0] += np.uint64(self.offset)
-        return self._segment.checksums(shifted)  # type: ignore[no-any-return]
+        return self._segment.checksums(shifted)
 
 
 class AttachedSegments:

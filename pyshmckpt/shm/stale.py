@@ -79,7 +79,7 @@ def list_segments(prefix: str | None = None) -> list[SegmentInfo]:
     prefix = knobs.segment_prefix() if prefix is None else prefix
     out: list[SegmentInfo] = []
     try:
-        names = sorted(os.listdir(SHM_DIR))
+        names = sorted(p.name for p in SHM_DIR.iterdir())
     except FileNotFoundError:
         return out
     for name in names:
@@ -91,7 +91,9 @@ def list_segments(prefix: str | None = None) -> list[SegmentInfo]:
     return out
 
 
-def collect_stale_segments(prefix: str | None = None, *, dry_run: bool = False) -> list[SegmentInfo]:
+def collect_stale_segments(
+    prefix: str | None = None, *, dry_run: bool = False
+) -> list[SegmentInfo]:
     """Unlink our segments whose owner is gone; returns what was (or, dry run, would be) removed."""
     removed = []
     for info in list_segments(prefix):
@@ -102,6 +104,8 @@ def collect_stale_segments(prefix: str | None = None, *, dry_run: bool = False) 
                 (SHM_DIR / info.name).unlink()
             except FileNotFoundError:
                 continue  # someone else collected it first
-            logger.info("removed stale segment %s (%s, owner %d)", info.name, info.reason, info.owner_pid)
+            logger.info(
+                "removed stale segment %s (%s, owner %d)", info.name, info.reason, info.owner_pid
+            )
         removed.append(info)
     return removed

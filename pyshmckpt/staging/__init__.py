@@ -9,8 +9,8 @@ dict from a mapped slot in the writer process.
 
 from __future__ import annotations
 
-from .manifest import Manifest, TensorEntry
 from .layout import StagingPlan, plan
+from .manifest import Manifest, TensorEntry
 from .stager import ShmStager, StagedHandle, lease_staged
 from .views import SlotViews
 

@@ -132,7 +132,9 @@ class _Walker:
         try:
             return (LEAF, copy.deepcopy(obj, self.memo))
         except Exception as exc:
-            raise _Invalid(obj, f"value of type {cls.__qualname__} cannot be copied: {exc}") from exc
+            raise _Invalid(
+                obj, f"value of type {cls.__qualname__} cannot be copied: {exc}"
+            ) from exc
 
     def _container(self, obj: Any, cls: type) -> tuple[Any, ...]:
         key = id(obj)
@@ -164,7 +166,9 @@ class _Walker:
         try:
             args, state = copy.deepcopy((args, state), self.memo)
         except Exception as exc:
-            raise _Invalid(obj, f"the attributes of {type(obj).__qualname__} cannot be copied: {exc}") from exc
+            raise _Invalid(
+                obj, f"the attributes of {type(obj).__qualname__} cannot be copied: {exc}"
+            ) from exc
         if isinstance(obj, dict):
             items = list(dictitems) if dictitems is not None else []
             keys = tuple(k for k, _ in items)
@@ -175,7 +179,9 @@ class _Walker:
         return (REDUCED, keys, children, func, args, state)
 
 
-def _find_path(obj: Any, target: Any, path: tuple[Any, ...], seen: set[int]) -> tuple[Any, ...] | None:
+def _find_path(
+    obj: Any, target: Any, path: tuple[Any, ...], seen: set[int]
+) -> tuple[Any, ...] | None:
     """Key path of the first occurrence of `target` (by identity) below `obj`."""
     if obj is target:
         return path
@@ -212,7 +218,11 @@ def plan(state_dict: Any) -> StagingPlan:
     dtypes = [t.dtype for t in tensors]
     dtype_codes = {dtype: code for code, dtype in enumerate(dict.fromkeys(dtypes))}
     code = np.fromiter([dtype_codes[d] for d in dtypes], dtype=np.int16, count=n)
-    itemsize = np.array([d.itemsize for d in dtype_codes], dtype=np.int64)[code] if n else np.zeros(0, np.int64)
+    itemsize = (
+        np.array([d.itemsize for d in dtype_codes], dtype=np.int64)[code]
+        if n
+        else np.zeros(0, np.int64)
+    )
     shapes = [t.shape for t in tensors]
     strides = [t.stride() for t in tensors]
     numel = np.fromiter([t.numel() for t in tensors], dtype=np.int64, count=n)
@@ -236,7 +246,9 @@ def plan(state_dict: Any) -> StagingPlan:
     for i in np.flatnonzero(~plain & (numel > 0)).tolist():
         t = tensors[i]
         size = int(itemsize[i])
-        extent[i] = size + sum((d - 1) * s * size for d, s in zip(shapes[i], strides[i]))
+        extent[i] = size + sum(
+            (d - 1) * s * size for d, s in zip(shapes[i], strides[i], strict=True)
+        )
         # Gaps between elements, or a lazy conjugate/negation: copy the elements densely.
         gather[i] = extent[i] > nbytes[i] or t.is_conj() or t.is_neg()
 
@@ -287,10 +299,18 @@ def plan(state_dict: Any) -> StagingPlan:
             gathers.append((i, tensors[i]))
 
     raw = ~gather[first_member]
-    rows = np.stack(
-        [storage[first_member] + lo.astype(np.uint64), block_offset.astype(np.uint64), block_bytes.astype(np.uint64)],
-        axis=1,
-    )[raw] if m else np.empty((0, 3), dtype=np.uint64)
+    rows = (
+        np.stack(
+            [
+                storage[first_member] + lo.astype(np.uint64),
+                block_offset.astype(np.uint64),
+                block_bytes.astype(np.uint64),
+            ],
+            axis=1,
+        )[raw]
+        if m
+        else np.empty((0, 3), dtype=np.uint64)
+    )
     block_device = device[first_member][raw]
     # Zero the alignment gap after every block but the last (whose padding lies past
     # manifest.size): the slot must not keep bytes of an earlier stage there, as they would reach
@@ -299,7 +319,8 @@ def plan(state_dict: Any) -> StagingPlan:
     gaps = _gap_rows(block_offset, block_bytes, padded, align)
     host = np.concatenate([rows[block_device < 0], gaps])
     devices = {
-        int(d): np.ascontiguousarray(rows[block_device == d]) for d in np.unique(block_device[block_device >= 0])
+        int(d): np.ascontiguousarray(rows[block_device == d])
+        for d in np.unique(block_device[block_device >= 0])
     }
 
     manifest = Manifest(
@@ -316,7 +337,9 @@ def plan(state_dict: Any) -> StagingPlan:
         blocks=np.stack([block_offset, block_bytes], axis=1) if m else np.empty((0, 2), np.int64),
         size=size,
     )
-    return StagingPlan(manifest=manifest, host=host, device=devices, gathers=gathers, sources=tensors)
+    return StagingPlan(
+        manifest=manifest, host=host, device=devices, gathers=gathers, sources=tensors
+    )
 
 
 # Zero bytes that gap-filling host copies read from. A plan holds only the address, so buffers are

@@ -123,9 +123,15 @@ class Manifest:
             end = pos + ndim[i]
             out.append(
                 TensorEntry(
-                    paths[i], dtypes[i], tuple(shapes[pos:end]), tuple(strides[pos:end]),
-                    offsets[i], nbytes[i], blocks[i],
-                    bool(flags[i] & PARAMETER), bool(flags[i] & REQUIRES_GRAD),
+                    paths[i],
+                    dtypes[i],
+                    tuple(shapes[pos:end]),
+                    tuple(strides[pos:end]),
+                    offsets[i],
+                    nbytes[i],
+                    blocks[i],
+                    bool(flags[i] & PARAMETER),
+                    bool(flags[i] & REQUIRES_GRAD),
                 )  # fmt: skip
             )
             pos = end
@@ -155,7 +161,7 @@ def _collect_paths(node: Any, path: tuple[Any, ...], out: list[Any]) -> None:
     if kind == LEAF:
         return
     if kind == DICT or (kind == REDUCED and node[1] is not None):
-        for key, child in zip(node[1], node[2]):
+        for key, child in zip(node[1], node[2], strict=True):
             _collect_paths(child, (*path, key), out)
     else:
         for i, child in enumerate(node[2]):
@@ -227,7 +233,9 @@ def make_tensors(
     return out
 
 
-def rebuild(manifest: Manifest, bases: Callable[[torch.dtype], torch.Tensor], slot_offset: int) -> Any:
+def rebuild(
+    manifest: Manifest, bases: Callable[[torch.dtype], torch.Tensor], slot_offset: int
+) -> Any:
     """Rebuild the staged structure with tensors viewing one storage.
 
     ``bases(dtype)`` returns a 1-D tensor of `dtype` over the whole storage, in which the slot
@@ -263,7 +271,7 @@ def build(node: Any, tensors: list[torch.Tensor]) -> Any:
     # Tensors are bare ints: resolve them inline, as most children of a state dict are tensors.
     values = [tensors[c] if type(c) is int else build(c, tensors) for c in node[2]]
     if kind == DICT:
-        return dict(zip(node[1], values))
+        return dict(zip(node[1], values, strict=True))
     if kind == LIST:
         return values
     if kind == TUPLE:
@@ -278,7 +286,7 @@ def reconstruct(node: tuple[Any, ...], values: list[Any]) -> Any:
     _, keys, _, func, args, state = node
     obj = func(*args)
     if keys is not None:
-        for key, value in zip(keys, values):
+        for key, value in zip(keys, values, strict=True):
             obj[key] = value
     else:
         for value in values:

@@ -55,7 +55,9 @@ class StagedHandle:
 
     __slots__ = ("arena", "slot", "generation", "manifest", "_stager", "_owned", "_leased")
 
-    def __init__(self, stager: ShmStager, slot: Slot, *, leased: bool = False, owned: bool = False) -> None:
+    def __init__(
+        self, stager: ShmStager, slot: Slot, *, leased: bool = False, owned: bool = False
+    ) -> None:
         self.arena = slot.arena
         self.slot = slot
         self.generation = slot.generation
@@ -129,7 +131,9 @@ class ShmStager(*_bases):  # type: ignore[misc]
         if capacity_bytes is not None and (
             not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool)
         ):
-            raise ConfigTypeError(f"capacity_bytes must be an int or None, not {type(capacity_bytes).__name__}")
+            raise ConfigTypeError(
+                f"capacity_bytes must be an int or None, not {type(capacity_bytes).__name__}"
+            )
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ConfigError(f"capacity_bytes must be positive, not {capacity_bytes}")
         self._slots = knobs.slots() if slots is None else slots
@@ -142,7 +146,9 @@ class ShmStager(*_bases):  # type: ignore[misc]
         if self._headroom < 1.0:
             raise ConfigError(f"headroom must be >= 1.0, not {headroom}")
         if validate is not None and not callable(validate):
-            raise ConfigTypeError(f"validate must be callable or None, not {type(validate).__name__}")
+            raise ConfigTypeError(
+                f"validate must be callable or None, not {type(validate).__name__}"
+            )
         self._validate = validate
         self._allow_growth = bool(allow_growth)
         self._pin = pin
@@ -216,7 +222,9 @@ class ShmStager(*_bases):  # type: ignore[misc]
         if slot is None:
             return None
         if slot.state is not SlotState.READY:
-            raise SlotStateError(f"state dict of generation {slot.generation} is already being written")
+            raise SlotStateError(
+                f"state dict of generation {slot.generation} is already being written"
+            )
         slot.arena.transition(slot, SlotState.WRITING)
         return StagedHandle(self, slot, leased=True)
 
@@ -328,7 +336,9 @@ class ShmStager(*_bases):  # type: ignore[misc]
                 self._arenas.remove(arena)
                 logger.debug("retired arena %s", arena.name)
 
-    def _staged(self, staging_plan: layout.StagingPlan, producers: dict[int, torch.cuda.Event] | None) -> Any:
+    def _staged(
+        self, staging_plan: layout.StagingPlan, producers: dict[int, torch.cuda.Event] | None
+    ) -> Any:
         """Stage into a free slot; return the staged state dict (the slot is READY)."""
         _, staged = self._stage_plan(staging_plan, producers, lease=False)
         return staged
@@ -366,7 +376,10 @@ class ShmStager(*_bases):  # type: ignore[misc]
         return slot, staged
 
     def _start_copies(
-        self, staging_plan: layout.StagingPlan, slot: Slot, producers: dict[int, torch.cuda.Event] | None
+        self,
+        staging_plan: layout.StagingPlan,
+        slot: Slot,
+        producers: dict[int, torch.cuda.Event] | None,
     ) -> _Copies:
         copies = _Copies(slot)
         try:
@@ -476,7 +489,10 @@ def _views_slot(staged: Any, slot: Slot) -> bool:
             node = node[step]
     except (KeyError, IndexError, TypeError):
         return False
-    return isinstance(node, torch.Tensor) and node.untyped_storage().data_ptr() == slot.storage.data_ptr()
+    return (
+        isinstance(node, torch.Tensor)
+        and node.untyped_storage().data_ptr() == slot.storage.data_ptr()
+    )
 
 
 def lease_staged(staged: Any) -> StagedHandle | None:

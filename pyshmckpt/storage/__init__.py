@@ -29,8 +29,12 @@ register_writer(
         options=frozenset({"allow_pickle", "direct_io"}),
     )
 )  # fmt: skip
-register_writer(WriterSpec("torch", TorchSaveWriter, "torch.save, checkpoint_<r>.pt (torch's CheckpointReader)"))
-register_writer(WriterSpec("dcp", DcpWriter, "torch.distributed.checkpoint, one process", multi_rank=False))
+register_writer(
+    WriterSpec("torch", TorchSaveWriter, "torch.save, checkpoint_<r>.pt (torch's CheckpointReader)")
+)
+register_writer(
+    WriterSpec("dcp", DcpWriter, "torch.distributed.checkpoint, one process", multi_rank=False)
+)
 
 __all__ = [
     "DcpWriter",

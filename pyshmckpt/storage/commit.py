@@ -76,7 +76,9 @@ def check_root(root: Path) -> None:
 
 def check_name(name: str) -> None:
     if not name or name.startswith(".") or "/" in name or name in (LATEST, ".", ".."):
-        raise ConfigError(f"invalid checkpoint name {name!r}: it must not start with '.', contain '/' or be {LATEST!r}")
+        raise ConfigError(
+            f"invalid checkpoint name {name!r}: it must not start with '.', contain '/' or be {LATEST!r}"
+        )
 
 
 def new_temp_dir(root: Path, name: str) -> Path:
@@ -90,7 +92,11 @@ def committed(root: Path) -> list[tuple[int, str]]:
     """(sequence, name) of every committed checkpoint, oldest first."""
     out = []
     for entry in os.scandir(root):
-        if entry.name.startswith(".") or entry.name == LATEST or not entry.is_dir(follow_symlinks=False):
+        if (
+            entry.name.startswith(".")
+            or entry.name == LATEST
+            or not entry.is_dir(follow_symlinks=False)
+        ):
             continue
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             record = json.loads((Path(entry.path) / COMMIT_RECORD).read_text())
@@ -106,7 +112,14 @@ def commit(temp_dir: Path, final_dir: Path, world_size: int = 1) -> None:
     sequence = max((seq for seq, _ in committed(root)), default=0) + 1
     record = temp_dir / COMMIT_RECORD
     record.write_text(
-        json.dumps({"sequence": sequence, "time_ns": time.time_ns(), "name": final_dir.name, "world_size": world_size})
+        json.dumps(
+            {
+                "sequence": sequence,
+                "time_ns": time.time_ns(),
+                "name": final_dir.name,
+                "world_size": world_size,
+            }
+        )
     )
     fsync_path(record)
     fsync_path(temp_dir)
@@ -118,12 +131,12 @@ def commit(temp_dir: Path, final_dir: Path, world_size: int = 1) -> None:
 def update_latest(root: Path, name: str) -> None:
     """Point root/latest at `name`, atomically (a new link renamed over the old one)."""
     tmp = root / f".{LATEST}-{secrets.token_hex(8)}"
-    os.symlink(name, tmp)
+    tmp.symlink_to(name)
     try:
-        os.replace(tmp, root / LATEST)
+        tmp.replace(root / LATEST)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            tmp.unlink()
         raise
     fsync_path(root)
 
@@ -132,7 +145,7 @@ def latest(root: Path) -> Path | None:
     """The checkpoint `latest` points at, if it is committed."""
     link = root / LATEST
     with contextlib.suppress(OSError):
-        target = os.readlink(link)
+        target = str(link.readlink())
         path = root / target
         if not target.startswith(".") and (path / COMMIT_RECORD).exists():
             return path
@@ -147,10 +160,12 @@ def remove(root: Path, name: str, *, background: bool = False) -> None:
     the root removes).
     """
     trash = root / f"{TRASH_PREFIX}{name}-{secrets.token_hex(8)}"
-    os.rename(root / name, trash)
+    (root / name).rename(trash)
     fsync_path(root)
     if background:
-        thread = threading.Thread(target=shutil.rmtree, args=(trash, True), name="pyshmckpt-trash", daemon=True)
+        thread = threading.Thread(
+            target=shutil.rmtree, args=(trash, True), name="pyshmckpt-trash", daemon=True
+        )
         thread.start()
         with _DELETIONS_LOCK:
             _DELETIONS[:] = [t for t in _DELETIONS if t.is_alive()] + [thread]
@@ -231,7 +246,9 @@ def commit_directory(
     check_root(root)
     if world_size > 1:
         if not attempt or not isinstance(attempt, str) or "/" in attempt or "-" in attempt:
-            raise ConfigError(f"a multi-rank save needs an attempt id without '-' or '/', not {attempt!r}")
+            raise ConfigError(
+                f"a multi-rank save needs an attempt id without '-' or '/', not {attempt!r}"
+            )
         return _SharedCommit(final, rank, world_size, attempt, barrier_timeout).run(fill, keep_last)
     temp = new_temp_dir(root, final.name)
     try:
@@ -264,7 +281,9 @@ def _poll_delays() -> Iterable[float]:
 class _SharedCommit:
     """One rank's part in one attempt of a multi-rank commit (see the module docstring)."""
 
-    def __init__(self, final: Path, rank: int, world_size: int, attempt: str, timeout: float) -> None:
+    def __init__(
+        self, final: Path, rank: int, world_size: int, attempt: str, timeout: float
+    ) -> None:
         check_name(final.name)
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is outside world size {world_size}")
@@ -312,7 +331,9 @@ class _SharedCommit:
         dfd = os.open(self.temp, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(dfd)
-            os.close(os.open(self.done.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd))
+            os.close(
+                os.open(self.done.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd)
+            )
         finally:
             os.close(dfd)
 
@@ -342,7 +363,9 @@ class _SharedCommit:
             reason = self.tomb.read_text(errors="replace")
         except FileNotFoundError:
             return
-        reason = reason or "another rank gave up (its reason could not be written: is the disk full?)"
+        reason = (
+            reason or "another rank gave up (its reason could not be written: is the disk full?)"
+        )
         if self.rank == 0:
             shutil.rmtree(self.temp, ignore_errors=True)
         raise CommitError(f"checkpoint {self.name} was abandoned: {reason}")
@@ -351,12 +374,14 @@ class _SharedCommit:
         expected = {f".rank{r}.done" for r in range(self.world_size)}
         for delay in _poll_delays():
             self._check_tomb()
-            missing = expected - set(os.listdir(self.temp))
+            missing = expected - {p.name for p in self.temp.iterdir()}
             if not missing:
                 return
             if time.monotonic() >= deadline:
                 ranks = sorted(int(m[5:-5]) for m in missing)
-                self._bury(f"rank 0 waited {self.timeout:g} s for ranks {ranks} to write their files")
+                self._bury(
+                    f"rank 0 waited {self.timeout:g} s for ranks {ranks} to write their files"
+                )
                 raise CommitTimeoutError(
                     f"checkpoint {self.name}: ranks {ranks} did not finish writing within {self.timeout:g} s"
                 )
@@ -376,11 +401,16 @@ class _SharedCommit:
         for delay in _poll_delays():
             self._check_tomb()
             with contextlib.suppress(OSError):
-                if os.readlink(self.root / LATEST) == self.name and (self.final / COMMIT_RECORD).exists():
+                if (
+                    str((self.root / LATEST).readlink()) == self.name
+                    and (self.final / COMMIT_RECORD).exists()
+                ):
                     return
             if time.monotonic() >= deadline:
                 if claimed:
-                    raise CommitTimeoutError(f"checkpoint {self.name}: rank 0 claimed it but did not commit it in time")
+                    raise CommitTimeoutError(
+                        f"checkpoint {self.name}: rank 0 claimed it but did not commit it in time"
+                    )
                 try:
                     self.done.rename(self.temp / f".rank{self.rank}.withdrawn")
                 except FileNotFoundError:
@@ -388,7 +418,9 @@ class _SharedCommit:
                     deadline = time.monotonic() + self.timeout
                     continue
                 self._bury(f"rank {self.rank} waited {self.timeout:g} s for rank 0 to commit")
-                raise CommitTimeoutError(f"checkpoint {self.name}: rank 0 did not commit it within {self.timeout:g} s")
+                raise CommitTimeoutError(
+                    f"checkpoint {self.name}: rank 0 did not commit it within {self.timeout:g} s"
+                )
             time.sleep(delay)
 
     def _remove_dead_attempts(self) -> None:
@@ -400,9 +432,14 @@ class _SharedCommit:
                 continue
             other = entry.name.rpartition("-")[2]
             other_session, _, other_number = other.rpartition(".")
-            if other_session == session and other_number.isdigit() and number.isdigit() and int(other_number) < int(number):
+            if (
+                other_session == session
+                and other_number.isdigit()
+                and number.isdigit()
+                and int(other_number) < int(number)
+            ):
                 if entry.is_dir(follow_symlinks=False):
                     shutil.rmtree(entry.path, ignore_errors=True)
                 else:
                     with contextlib.suppress(FileNotFoundError):
-                        os.unlink(entry.path)
+                        Path(entry.path).unlink()

@@ -45,7 +45,7 @@ def _reach(shape: list[int], stride: list[int], itemsize: int) -> int:
     """Bytes from element 0 to one past the last element a view can touch."""
     if any(d == 0 for d in shape):
         return 0
-    return itemsize * (1 + sum((d - 1) * s for d, s in zip(shape, stride)))
+    return itemsize * (1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True)))
 
 
 def load(
@@ -73,7 +73,9 @@ def load(
         _verify(st_path, view, header, described.get("entries"))
     tensors = _tensors(st_path, view, header, described.get("tensors"))
     try:
-        state = tree_codec.decode(described.get("tree"), tensors, allow_pickle=allow_pickle, where=str(json_path))
+        state = tree_codec.decode(
+            described.get("tree"), tensors, allow_pickle=allow_pickle, where=str(json_path)
+        )
     except PickleNotAllowedError as exc:
         raise CheckpointCorruptError(str(json_path), str(exc)) from None
     logger.debug("loaded %s (rank %d, %d tensors)", directory, rank, len(tensors))
@@ -96,12 +98,16 @@ def _verify(st_path: Path, view: memoryview, header: Any, recorded: Any) -> None
         jobs.append((name, header.data_start + entry.begin, header.data_start + entry.end, crc))
     missing = set(recorded) - set(header.entries)
     if missing:
-        raise CheckpointCorruptError(str(st_path), "entry missing from the file", tensor=sorted(missing)[0])
+        raise CheckpointCorruptError(
+            str(st_path), "entry missing from the file", tensor=sorted(missing)[0]
+        )
     with ThreadPoolExecutor(max_workers=max(1, copy_threads())) as pool:
         actual = list(pool.map(lambda job: crc32c(view[job[1] : job[2]]), jobs))
-    for (name, _, _, crc), got in zip(jobs, actual):
+    for (name, _, _, crc), got in zip(jobs, actual, strict=True):
         if got != crc:
-            raise CheckpointCorruptError(str(st_path), f"checksum mismatch ({got:#010x} != {crc:#010x})", tensor=name)
+            raise CheckpointCorruptError(
+                str(st_path), f"checksum mismatch ({got:#010x} != {crc:#010x})", tensor=name
+            )
 
 
 def _tensors(st_path: Path, view: memoryview, header: Any, described: Any) -> list[torch.Tensor]:
@@ -121,7 +127,9 @@ def _tensors(st_path: Path, view: memoryview, header: Any, described: Any) -> li
             entry_name = item["entry"]
             if entry_name is not None and not isinstance(entry_name, str):
                 raise CheckpointCorruptError(
-                    str(st_path), "malformed tensor description: entry must be a string or null", tensor=name
+                    str(st_path),
+                    "malformed tensor description: entry must be a string or null",
+                    tensor=name,
                 )
             if flags & layout.REQUIRES_GRAD and not (dtype.is_floating_point or dtype.is_complex):
                 raise CheckpointCorruptError(
@@ -131,17 +139,30 @@ def _tensors(st_path: Path, view: memoryview, header: Any, described: Any) -> li
         except CheckpointCorruptError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CheckpointCorruptError(str(st_path), f"malformed tensor description: {exc}", tensor=name) from None
-        if len(shape) != len(stride) or any(d < 0 for d in shape) or any(s < 0 for s in stride) or offset < 0:
-            raise CheckpointCorruptError(str(st_path), "invalid shape, stride or offset", tensor=name)
+            raise CheckpointCorruptError(
+                str(st_path), f"malformed tensor description: {exc}", tensor=name
+            ) from None
+        if (
+            len(shape) != len(stride)
+            or any(d < 0 for d in shape)
+            or any(s < 0 for s in stride)
+            or offset < 0
+        ):
+            raise CheckpointCorruptError(
+                str(st_path), "invalid shape, stride or offset", tensor=name
+            )
         if entry_name is None:
             if any(d == 0 for d in shape):
                 out.append(_flagged(torch.empty(shape, dtype=dtype), flags))
                 continue
-            raise CheckpointCorruptError(str(st_path), "tensor with elements but no data", tensor=name)
+            raise CheckpointCorruptError(
+                str(st_path), "tensor with elements but no data", tensor=name
+            )
         entry = header.entries.get(entry_name)
         if entry is None:
-            raise CheckpointCorruptError(str(st_path), f"entry {entry_name!r} is not in the file", tensor=name)
+            raise CheckpointCorruptError(
+                str(st_path), f"entry {entry_name!r} is not in the file", tensor=name
+            )
         length = entry.end - entry.begin
         if offset % dtype.itemsize or offset + _reach(shape, stride, dtype.itemsize) > length:
             raise CheckpointCorruptError(str(st_path), "tensor lies outside its entry", tensor=name)
@@ -150,12 +171,20 @@ def _tensors(st_path: Path, view: memoryview, header: Any, described: Any) -> li
             raw = raws.get(entry_name)
             if raw is None:
                 start = header.data_start + entry.begin
-                raw = torch.frombuffer(view, dtype=torch.uint8, count=length, offset=start) if length else None
+                raw = (
+                    torch.frombuffer(view, dtype=torch.uint8, count=length, offset=start)
+                    if length
+                    else None
+                )
                 raws[entry_name] = raw
             # Every dtype's base views the one storage of the entry, so tensors of different
             # dtypes over one entry keep sharing it (also when load() moves them to a device).
             count = length // dtype.itemsize
-            base = raw[: count * dtype.itemsize].view(dtype) if raw is not None and count else torch.empty(0, dtype=dtype)
+            base = (
+                raw[: count * dtype.itemsize].view(dtype)
+                if raw is not None and count
+                else torch.empty(0, dtype=dtype)
+            )
             bases[(entry_name, dtype)] = base
         with torch.no_grad():
             t = base.as_strided(shape, stride, offset // dtype.itemsize)
@@ -219,7 +248,9 @@ def _copy_into(target: Any, source: Any, where: str, path: str = "state_dict") -
         return
     if isinstance(target, dict):
         if not isinstance(source, dict):
-            raise CheckpointMismatchError(f"{path}: the checkpoint of {where} holds {type(source).__name__}, not a dict")
+            raise CheckpointMismatchError(
+                f"{path}: the checkpoint of {where} holds {type(source).__name__}, not a dict"
+            )
         for key, value in target.items():
             if key not in source:
                 raise CheckpointKeyError(f"{path}[{key!r}] is not in the checkpoint {where}")
@@ -227,12 +258,16 @@ def _copy_into(target: Any, source: Any, where: str, path: str = "state_dict") -
         return
     if isinstance(target, (list, tuple)) and isinstance(source, (list, tuple)):
         if len(target) != len(source):
-            raise CheckpointMismatchError(f"{path}: length {len(source)} in the checkpoint, {len(target)} in the target")
-        for i, (a, b) in enumerate(zip(target, source)):
+            raise CheckpointMismatchError(
+                f"{path}: length {len(source)} in the checkpoint, {len(target)} in the target"
+            )
+        for i, (a, b) in enumerate(zip(target, source, strict=True)):
             _copy_into(a, b, where, f"{path}[{i}]")
 
 
-def _open(path: str | os.PathLike[str], rank: int) -> tuple[Path, Path, dict[str, Any], Any, mmap.mmap]:
+def _open(
+    path: str | os.PathLike[str], rank: int
+) -> tuple[Path, Path, dict[str, Any], Any, mmap.mmap]:
     directory = _checkpoint_dir(path)
     st_name, json_name = file_names(rank)
     json_path, st_path = directory / json_name, directory / st_name
@@ -292,7 +327,12 @@ def verify(path: str | os.PathLike[str], rank: int = 0) -> int:
     tensors = _tensors(st_path, view, header, described.get("tensors"))
     # The structure too; pickled parts are only checked for presence, never unpickled.
     with contextlib.suppress(PickleNotAllowedError):
-        tree_codec.decode(described.get("tree"), tensors, allow_pickle=False, where=str(st_path.with_suffix(".json")))
+        tree_codec.decode(
+            described.get("tree"),
+            tensors,
+            allow_pickle=False,
+            where=str(st_path.with_suffix(".json")),
+        )
     return len(tensors)
 
 
@@ -302,7 +342,12 @@ def describe(path: str | os.PathLike[str], rank: int = 0) -> list[dict[str, Any]
     view = memoryview(mapped)
     _tensors(st_path, view, header, described.get("tensors"))  # validates every description
     return [
-        {"name": t.get("name", "?"), "dtype": t["dtype"], "shape": t["shape"], "nbytes": int(t.get("nbytes", 0)),
-         "entry": t["entry"]}
+        {
+            "name": t.get("name", "?"),
+            "dtype": t["dtype"],
+            "shape": t["shape"],
+            "nbytes": int(t.get("nbytes", 0)),
+            "entry": t["entry"],
+        }
         for t in described["tensors"]
     ]

@@ -54,7 +54,9 @@ class FilePlan:
 
     entries: list[HeaderEntry]
     sources: list[tuple[int, int]]  # per entry: (offset in slot, nbytes)
-    tensors: list[dict[str, Any]]  # per tensor: entry, offset within it, dtype, shape, stride, flags
+    tensors: list[
+        dict[str, Any]
+    ]  # per tensor: entry, offset within it, dtype, shape, stride, flags
 
 
 def plan_file(manifest: Manifest, *, mirror_slot: bool = False) -> FilePlan:
@@ -123,7 +125,9 @@ def plan_file(manifest: Manifest, *, mirror_slot: bool = False) -> FilePlan:
         start, size = blocks[b]
         if mirror_slot and start > cursor:  # the alignment gap before this block
             gap = start - cursor
-            entries.append(HeaderEntry(f"{BLOCK_PREFIX}pad{len(entries)}", "U8", (gap,), cursor, start))
+            entries.append(
+                HeaderEntry(f"{BLOCK_PREFIX}pad{len(entries)}", "U8", (gap,), cursor, start)
+            )
             sources.append((cursor, gap))
             cursor = start
         if b in owner:
@@ -246,7 +250,9 @@ class SafetensorsWriter:
         if not commit.wait_for_deletions(60.0):
             logger.warning("old checkpoints were still being deleted after 60 s")
 
-    def _write_files(self, directory: Path, slot: SlotMapping, manifest: Manifest, tree: Any) -> list[Path]:
+    def _write_files(
+        self, directory: Path, slot: SlotMapping, manifest: Manifest, tree: Any
+    ) -> list[Path]:
         try:
             return self._write_rank_files(directory, slot, manifest, tree)
         except BaseException:
@@ -256,7 +262,9 @@ class SafetensorsWriter:
                     (directory / name).unlink()
             raise
 
-    def _write_rank_files(self, directory: Path, slot: SlotMapping, manifest: Manifest, tree: Any) -> list[Path]:
+    def _write_rank_files(
+        self, directory: Path, slot: SlotMapping, manifest: Manifest, tree: Any
+    ) -> list[Path]:
         direct = self.direct_io and slot.address % DIRECT_IO_BLOCK == 0
         if self.direct_io and not direct:
             warn_once(logger, "unaligned slot", "slot %s is not %d-byte aligned: writing without O_DIRECT",
@@ -277,7 +285,9 @@ class SafetensorsWriter:
                 try:
                     if direct:
                         data = view[: manifest.size]
-                        self.last_direct_bytes = _write_direct(st_path, fd, memoryview(header), data)
+                        self.last_direct_bytes = _write_direct(
+                            st_path, fd, memoryview(header), data
+                        )
                     else:
                         _write_all(fd, [memoryview(header), *_coalesce(view, plan.sources)])
                     os.fsync(fd)
@@ -292,7 +302,7 @@ class SafetensorsWriter:
             "rank": self.rank,
             "world_size": self.world_size,
             "file": st_name,
-            "entries": {e.name: {"crc32c": crc} for e, crc in zip(plan.entries, crcs)},
+            "entries": {e.name: {"crc32c": crc} for e, crc in zip(plan.entries, crcs, strict=True)},
             "tensors": plan.tensors,
             "tree": tree,
         }
@@ -354,7 +364,9 @@ def _pwrite_chunks(dfd: int, fd: int, data: memoryview, start: int) -> int | Non
     (EINVAL, EOPNOTSUPP). After that, a chunk whose O_DIRECT write is refused or short has the
     rest written through the buffered descriptor `fd`, so the save does not fail for it.
     """
-    chunks = [(pos, data[pos : pos + DIRECT_IO_CHUNK]) for pos in range(0, len(data), DIRECT_IO_CHUNK)]
+    chunks = [
+        (pos, data[pos : pos + DIRECT_IO_CHUNK]) for pos in range(0, len(data), DIRECT_IO_CHUNK)
+    ]
     first_pos, first = chunks[0]
     try:
         direct = os.pwrite(dfd, first, start + first_pos)
@@ -364,7 +376,9 @@ def _pwrite_chunks(dfd: int, fd: int, data: memoryview, start: int) -> int | Non
         _refused(exc, "at the first write")
         return None
     _pwrite_all(fd, first[direct:], start + first_pos + direct)
-    with ThreadPoolExecutor(max_workers=DIRECT_IO_THREADS, thread_name_prefix="pyshmckpt-dio") as pool:
+    with ThreadPoolExecutor(
+        max_workers=DIRECT_IO_THREADS, thread_name_prefix="pyshmckpt-dio"
+    ) as pool:
         futures = [
             pool.submit(_pwrite_chunk, dfd, fd, chunk, start + pos) for pos, chunk in chunks[1:]
         ]

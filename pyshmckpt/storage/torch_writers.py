@@ -20,7 +20,9 @@ class TorchSaveWriter:
     """torch.save with torch's layout (``checkpoint_{rank}.pt``, what torch's CheckpointReader
     reads), committed atomically."""
 
-    def __init__(self, rank_info: Any = None, *, keep_last: int | None = None, barrier_timeout: float = 600.0) -> None:
+    def __init__(
+        self, rank_info: Any = None, *, keep_last: int | None = None, barrier_timeout: float = 600.0
+    ) -> None:
         self.rank, self.world_size = commit.rank_and_world(rank_info)
         self.keep_last = keep_last
         self.barrier_timeout = float(barrier_timeout)

@@ -49,12 +49,17 @@ def _encode_leaf(value: Any, allow_pickle: bool) -> Any:
         # Plain containers inside a leaf (betas=(0.9, 0.999) in param_groups, _metadata).
         if isinstance(value, dict):
             kind = "leafdict" if type(value) is dict else "leafodict"
-            pairs = [[_encode_leaf(k, allow_pickle), _encode_leaf(v, allow_pickle)] for k, v in value.items()]
+            pairs = [
+                [_encode_leaf(k, allow_pickle), _encode_leaf(v, allow_pickle)]
+                for k, v in value.items()
+            ]
             return {kind: pairs}
         kind = "leaflist" if type(value) is list else "leaftuple"
         return {kind: [_encode_leaf(v, allow_pickle) for v in value]}
     if not allow_pickle:
-        raise _PickleRequired(f"a value of type {type(value).__module__}.{type(value).__qualname__}")
+        raise _PickleRequired(
+            f"a value of type {type(value).__module__}.{type(value).__qualname__}"
+        )
     return {"pickle": base64.b64encode(pickle.dumps(value)).decode()}
 
 
@@ -86,7 +91,11 @@ def _encode(node: Any, allow_pickle: bool) -> Any:
         return _encode_leaf(node[1], allow_pickle)
     children = [_encode(child, allow_pickle) for child in node[2]]
     if kind == layout.DICT:
-        return {"dict": [[_encode_leaf(k, allow_pickle), c] for k, c in zip(node[1], children)]}
+        return {
+            "dict": [
+                [_encode_leaf(k, allow_pickle), c] for k, c in zip(node[1], children, strict=True)
+            ]
+        }
     if kind == layout.LIST:
         return {"list": children}
     if kind == layout.TUPLE:
@@ -94,19 +103,31 @@ def _encode(node: Any, allow_pickle: bool) -> Any:
     keys = node[1]
     func, args, state = node[3:6] if kind == layout.REDUCED else (None, None, None)
     if kind == layout.REDUCED and func is collections.OrderedDict and not args and not state:
-        return {"odict": [[_encode_leaf(k, allow_pickle), c] for k, c in zip(keys, children)]}
+        return {
+            "odict": [
+                [_encode_leaf(k, allow_pickle), c] for k, c in zip(keys, children, strict=True)
+            ]
+        }
     if kind == layout.REDUCED and func is collections.OrderedDict and not args:
         # A module state dict's OrderedDict carries _metadata (plain data): keep it as JSON.
         return {
-            "odict": [[_encode_leaf(k, allow_pickle), c] for k, c in zip(keys, children)],
+            "odict": [
+                [_encode_leaf(k, allow_pickle), c] for k, c in zip(keys, children, strict=True)
+            ],
             "attrs": _encode_leaf(state, allow_pickle),
         }
     if not allow_pickle:
-        name = node[3].__qualname__ if kind == layout.NAMED_TUPLE else getattr(func, "__qualname__", repr(func))
+        name = (
+            node[3].__qualname__
+            if kind == layout.NAMED_TUPLE
+            else getattr(func, "__qualname__", repr(func))
+        )
         raise _PickleRequired(f"a container of type {name}")
     header = node[3] if kind == layout.NAMED_TUPLE else (func, args, state)
     encoded: dict[str, Any] = {
-        "reduced" if kind == layout.REDUCED else "namedtuple": base64.b64encode(pickle.dumps(header)).decode(),
+        "reduced" if kind == layout.REDUCED else "namedtuple": base64.b64encode(
+            pickle.dumps(header)
+        ).decode(),
         "children": children,
     }
     if kind == layout.REDUCED and keys is not None:
@@ -117,7 +138,7 @@ def _encode(node: Any, allow_pickle: bool) -> Any:
 def _decode_leaf(value: Any, allow_pickle: bool) -> Any:
     if not isinstance(value, dict) or len(value) != 1:
         raise _Malformed(f"malformed leaf {value!r:.80}")
-    (kind, payload), = value.items()
+    ((kind, payload),) = value.items()
     if kind == "v":
         if payload is not None and type(payload) not in (bool, int, float, str):
             raise _Malformed("malformed plain leaf")
@@ -144,7 +165,9 @@ def _decode_leaf(value: Any, allow_pickle: bool) -> Any:
 
 def _unpickle(payload: str, allow_pickle: bool) -> Any:
     if not allow_pickle:
-        raise PickleNotAllowedError("the checkpoint holds pickled values; pass allow_pickle=True to load them")
+        raise PickleNotAllowedError(
+            "the checkpoint holds pickled values; pass allow_pickle=True to load them"
+        )
     return pickle.loads(base64.b64decode(payload, validate=True))  # noqa: S301 (opted in)
 
 
@@ -161,7 +184,9 @@ def _decode(value: Any, tensors: list[Any], allow_pickle: bool) -> Any:
         items = value["dict"] if "dict" in value else value["odict"]
         if not isinstance(items, list):
             raise _Malformed("malformed dict node")
-        pairs = [(_decode_leaf(k, allow_pickle), _decode(c, tensors, allow_pickle)) for k, c in items]
+        pairs = [
+            (_decode_leaf(k, allow_pickle), _decode(c, tensors, allow_pickle)) for k, c in items
+        ]
         if "dict" in value:
             return dict(pairs)
         out = collections.OrderedDict(pairs)

@@ -28,7 +28,9 @@ class SlotWriter(Protocol):
     """Persists a staged slot: `slot` is the writer process's mapping of it, `manifest` says
     where each tensor lies. Raises to fail the write (the trainer gets a WriterError)."""
 
-    def write_slot(self, path: str, slot: SlotMapping, manifest: Manifest, **kwargs: Any) -> None: ...
+    def write_slot(
+        self, path: str, slot: SlotMapping, manifest: Manifest, **kwargs: Any
+    ) -> None: ...
 
 
 @runtime_checkable

@@ -85,7 +85,7 @@ def receive(conn: Connection, sentinel: int, timeout: float | None) -> Response 
         return None
     if conn in ready or conn.poll(0):
         try:
-            return conn.recv()  # type: ignore[no-any-return]
+            return conn.recv()
         except (EOFError, OSError) as exc:
             return Closed(str(exc) or type(exc).__name__)
     return Closed("the peer process exited")

@@ -51,17 +51,31 @@ class CheckpointProcessConfig:
     collect_stale_segments: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("subprocess_init_timeout_secs", "subprocess_shutdown_timeout_secs", "slot_timeout_secs"):
+        for name in (
+            "subprocess_init_timeout_secs",
+            "subprocess_shutdown_timeout_secs",
+            "slot_timeout_secs",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative number, not {value!r}")
         timeout = self.write_timeout_secs
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise ConfigError(f"write_timeout_secs must be a positive number or None, not {timeout!r}")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+        ):
+            raise ConfigError(
+                f"write_timeout_secs must be a positive number or None, not {timeout!r}"
+            )
         for name in ("slots", "max_restarts"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "slots" else 0):
-                raise ConfigError(f"{name} must be an int >= {1 if name == 'slots' else 0}, not {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or value < (1 if name == "slots" else 0)
+            ):
+                raise ConfigError(
+                    f"{name} must be an int >= {1 if name == 'slots' else 0}, not {value!r}"
+                )
 
 
 class CheckpointProcess:
@@ -92,9 +106,13 @@ class CheckpointProcess:
     ) -> None:
         self._closed = True  # until construction finishes
         if not isinstance(config, CheckpointProcessConfig):
-            raise ConfigTypeError(f"config must be a pyshmckpt.CheckpointProcessConfig, not {type(config).__name__}")
+            raise ConfigTypeError(
+                f"config must be a pyshmckpt.CheckpointProcessConfig, not {type(config).__name__}"
+            )
         if not callable(subprocess_init_fn) or not callable(checkpoint_writer_init_fn):
-            raise ConfigTypeError("subprocess_init_fn and checkpoint_writer_init_fn must be callable")
+            raise ConfigTypeError(
+                "subprocess_init_fn and checkpoint_writer_init_fn must be callable"
+            )
         if not isinstance(subprocess_init_args, tuple):
             raise ConfigTypeError("subprocess_init_args must be a tuple")
         if not isinstance(checkpoint_writer_init_args, dict):

@@ -148,10 +148,16 @@ def writer_main(
             outbox.send(Response(Kind.TERMINATE, request.id, ok=error is None, error=error))
             return
         else:
-            outbox.send(Response(request.kind, request.id, ok=False, error=f"unknown request {request.kind}"))
+            outbox.send(
+                Response(
+                    request.kind, request.id, ok=False, error=f"unknown request {request.kind}"
+                )
+            )
 
 
-def _serve_write(request: Request, writer: Any, attached: AttachedSegments, views: SlotViews) -> Response:
+def _serve_write(
+    request: Request, writer: Any, attached: AttachedSegments, views: SlotViews
+) -> Response:
     payload = request.payload
     try:
         attached.sync(payload["segments"])
@@ -161,14 +167,18 @@ def _serve_write(request: Request, writer: Any, attached: AttachedSegments, view
         if isinstance(manifest, ManifestRef):
             resolved = views.resolve(address.name, manifest.tree, manifest.layout_key)
             if resolved is None:
-                raise ProtocolError(f"the writer holds no layout {manifest.layout_key.hex()} for slot {address.name}")
+                raise ProtocolError(
+                    f"the writer holds no layout {manifest.layout_key.hex()} for slot {address.name}"
+                )
             manifest = resolved
         else:
             views.remember(address.name, manifest)
         slot = attached.slot(address)
         started = time.perf_counter()
         if isinstance(writer, SlotWriter):  # persists straight from shared memory
-            writer.write_slot(path=payload["path"], slot=slot, manifest=manifest, **payload["kwargs"])
+            writer.write_slot(
+                path=payload["path"], slot=slot, manifest=manifest, **payload["kwargs"]
+            )
         else:
             state_dict = views.rebuild(slot, manifest)
             writer.write(path=payload["path"], state_dict=state_dict, **payload["kwargs"])

@@ -145,7 +145,9 @@ class WriterProcess:
             self._process, self._conn, self.pid = process, parent_conn, process.pid
             closing = self._closing
         if closing:  # close() ran while this was spawning: do not leave the child behind
-            self._fail_start(WriterDiedError("the checkpoint writer process was closed while starting"))
+            self._fail_start(
+                WriterDiedError("the checkpoint writer process was closed while starting")
+            )
         message = self._receive_init(parent_conn, process.sentinel, started + self._init_timeout)
         if isinstance(message, Closed):
             self._join(self._shutdown_timeout)
@@ -156,7 +158,9 @@ class WriterProcess:
                 )
             )
         if self._closing:
-            self._fail_start(WriterDiedError("the checkpoint writer process was closed while starting"))
+            self._fail_start(
+                WriterDiedError("the checkpoint writer process was closed while starting")
+            )
         if message is None:
             self._fail_start(
                 WriterStartTimeoutError(
@@ -165,7 +169,11 @@ class WriterProcess:
                 )
             )
         if message.kind is not Kind.INIT or not message.ok:
-            self._fail_start(WriterStartError(f"checkpoint writer process failed to initialize:\n{message.error}"))
+            self._fail_start(
+                WriterStartError(
+                    f"checkpoint writer process failed to initialize:\n{message.error}"
+                )
+            )
         logger.info("writer process %d ready after %.2f s", process.pid, time.monotonic() - started)
         self._dispatcher = threading.Thread(
             target=self._dispatch, name="pyshmckpt-writer-dispatch", daemon=True
@@ -195,9 +203,11 @@ class WriterProcess:
         if self._process is None:
             return None
         with self._reap_lock:
-            return self._process.exitcode  # type: ignore[no-any-return]
+            return self._process.exitcode
 
-    def submit_write(self, generation: int, payload: dict[str, Any], timeout: float | None) -> Future[Any]:
+    def submit_write(
+        self, generation: int, payload: dict[str, Any], timeout: float | None
+    ) -> Future[Any]:
         """Queue one WRITE; the Future resolves when the writer answers (or fails)."""
         future: Future[Any] = Future()
         with self._lock:
@@ -213,7 +223,9 @@ class WriterProcess:
                 payload = {**payload, "manifest": ManifestRef.of(manifest)}
             else:
                 self._sent_layouts[slot_name] = manifest.layout_key
-            self._pending[request_id] = _Pending(future, Kind.WRITE, generation, deadline, slot_name)
+            self._pending[request_id] = _Pending(
+                future, Kind.WRITE, generation, deadline, slot_name
+            )
             try:
                 sent = send(self._conn, Request(Kind.WRITE, request_id, generation, payload))  # type: ignore[arg-type]
             except BaseException:  # unpicklable kwargs and the like: nothing was queued
@@ -243,7 +255,9 @@ class WriterProcess:
         terminated: Future[Any] | None = None
         if process is not None:
             if abort:
-                self._fail_pending(CheckpointAbortedError("the write was abandoned by close(abort=True)"))
+                self._fail_pending(
+                    CheckpointAbortedError("the write was abandoned by close(abort=True)")
+                )
                 if self._alive():
                     logger.warning("close(abort=True): killing writer process %d", process.pid)
                 process.kill()
@@ -257,7 +271,9 @@ class WriterProcess:
             close_error = terminated.exception()
             if close_error is not None:
                 errors.append(close_error)  # the user's writer.close() raised
-        self._fail_pending(WriterDiedError(self._exit_text("the checkpoint writer process was closed")))
+        self._fail_pending(
+            WriterDiedError(self._exit_text("the checkpoint writer process was closed"))
+        )
         self._reap()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
@@ -383,14 +399,20 @@ class WriterProcess:
         """Complete the request `response` answers; False when the protocol is broken."""
         with self._lock:
             item = self._pending.get(response.id)
-            if item is not None and item.kind is response.kind and item.generation == response.generation:
+            if (
+                item is not None
+                and item.kind is response.kind
+                and item.generation == response.generation
+            ):
                 del self._pending[response.id]
             else:
                 item = None
         if item is None:
             # A reply to nothing we asked, or for another slot generation: the writer can no
             # longer be trusted about which slot it reads. Stop it before failing anything.
-            self.kill(f"it answered request {response.id}, generation {response.generation}, which was not asked")
+            self.kill(
+                f"it answered request {response.id}, generation {response.generation}, which was not asked"
+            )
             error = ProtocolError(
                 f"checkpoint writer answered request {response.id} ({response.kind.value}, "
                 f"generation {response.generation}) which does not match any pending request"
@@ -411,7 +433,9 @@ class WriterProcess:
         """Kill the writer if a write overran its deadline; True when that happened."""
         now = time.monotonic()
         with self._lock:
-            expired = [p for p in self._pending.values() if p.deadline is not None and p.deadline <= now]
+            expired = [
+                p for p in self._pending.values() if p.deadline is not None and p.deadline <= now
+            ]
         if not expired:
             return False
         # Reaped before anything fails: its slots are not read any more.
@@ -427,7 +451,9 @@ class WriterProcess:
                 item.future.set_exception(timeout)
             else:
                 item.future.set_exception(
-                    WriterDiedError(self._exit_text("the writer was killed because another write timed out"))
+                    WriterDiedError(
+                        self._exit_text("the writer was killed because another write timed out")
+                    )
                 )
         return True
 
@@ -438,5 +464,7 @@ def _writer_error(response: Response) -> WriterError:
     message = f"checkpoint writer raised:\n{response.error}"
     exc_type = response.payload.get("exc_type")
     if "errno" in response.payload:
-        return WriterOSError(message, exc_type, response.payload["errno"], response.payload.get("strerror"))
+        return WriterOSError(
+            message, exc_type, response.payload["errno"], response.payload.get("strerror")
+        )
     return WriterError(message, exc_type)

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from pyshmckpt.cli import bench as bench_runner
+
 from helpers import HERE, child_env
 
 SUITE = HERE.parent / "bench"  # HERE is tests/
@@ -20,7 +21,11 @@ RUN_TIMEOUT = 300
 
 def rows() -> list[dict]:
     out = []
-    for nbytes, tensors, ours, torch_s in [(64 * MIB, 256, 0.01, 0.1), (256 * MIB, 256, 0.03, 0.2), (64 * MIB, 16, 0.004, 0.09)]:
+    for nbytes, tensors, ours, torch_s in [
+        (64 * MIB, 256, 0.01, 0.1),
+        (256 * MIB, 256, 0.03, 0.2),
+        (64 * MIB, 16, 0.004, 0.09),
+    ]:
         for transport, median in (("ours", ours), ("torch", torch_s)):
             out.append({"phase": "e2e", "transport": transport, "nbytes": nbytes, "tensors": tensors,
                         "median_s": median, "GiB_per_s": nbytes / 2**30 / median})  # fmt: skip
@@ -37,18 +42,26 @@ def test_comparison_pairs_the_transports_and_computes_the_speed_up():
     assert by_case[(64 * MIB, 256)]["speedup"] == pytest.approx(10.0)
     assert by_case[(64 * MIB, 256)]["ours_GiB_per_s"] == pytest.approx(6.25)
     failed = by_case[(64 * MIB, 16384)]
-    assert "speedup" not in failed and failed["torch_error"].startswith("EMFILE")
+    assert "speedup" not in failed
+    assert failed["torch_error"].startswith("EMFILE")
     table = bench_runner.format_table(lines)
-    assert "10.0x" in table and "failed" in table and "torch failed at 64 MiB, 16384 tensors: EMFILE" in table
+    assert "10.0x" in table
+    assert "failed" in table
+    assert "torch failed at 64 MiB, 16384 tensors: EMFILE" in table
     assert [line["tensors"] for line in lines if line["nbytes"] == 64 * MIB] == [16, 256, 16384]
 
 
 def test_plots_are_written_as_png(tmp_path):
-    results = {"rows": rows(), "axes": {"size_axis_tensors": 256, "count_axis_bytes": 64 * MIB}, "machine": {"cpu": "x"}}
+    results = {
+        "rows": rows(),
+        "axes": {"size_axis_tensors": 256, "count_axis_bytes": 64 * MIB},
+        "machine": {"cpu": "x"},
+    }
     written = bench_runner.plot(results, tmp_path)
     assert [p.name for p in written] == ["throughput_vs_size.png", "throughput_vs_tensors.png"]
     for path in written:
-        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert path.stat().st_size > 10_000
 
 
 def test_a_missing_suite_is_a_clear_error(tmp_path, capsys):
@@ -59,30 +72,40 @@ def test_a_missing_suite_is_a_clear_error(tmp_path, capsys):
 
 
 def test_report_only_reads_results_again(tmp_path, capsys):
-    results = {"rows": rows(), "axes": {"size_axis_tensors": 256, "count_axis_bytes": 64 * MIB}, "ratios": {"r": 2.5}}
+    results = {
+        "rows": rows(),
+        "axes": {"size_axis_tensors": 256, "count_axis_bytes": 64 * MIB},
+        "ratios": {"r": 2.5},
+    }
     (tmp_path / "results.json").write_text(json.dumps(results))
     args = argparse.Namespace(output=tmp_path, report_only=True)
     assert bench_runner.main(args) == 0
     out = capsys.readouterr().out
-    assert "10.0x" in out and "2.50" in out
-    assert (tmp_path / "throughput_vs_size.png").exists() and (tmp_path / "comparison.json").exists()
+    assert "10.0x" in out
+    assert "2.50" in out
+    assert (tmp_path / "throughput_vs_size.png").exists()
+    assert (tmp_path / "comparison.json").exists()
     empty = tmp_path / "empty"
     empty.mkdir()
     assert bench_runner.main(argparse.Namespace(output=empty, report_only=True)) == 1
     assert "no results to report" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not (SUITE / "test_sweep.py").exists(), reason="needs the repository's bench/ directory")
+@pytest.mark.skipif(
+    not (SUITE / "test_sweep.py").exists(), reason="needs the repository's bench/ directory"
+)
 def test_quick_run_of_a_slice_of_the_suite_reports_and_plots(tmp_path):
     env = child_env()
     env.pop("PYTHONOPTIMIZE", None)  # the suite asserts its own set-up; run it as users do
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     low = 512  # too few descriptors for torch's transport with 256 tensors, unless the suite raises it
     if hard != resource.RLIM_INFINITY and hard < 4 * low:
-        pytest.skip(f"the hard RLIMIT_NOFILE ({hard}) leaves no room to test that the suite raises it")
+        pytest.skip(
+            f"the hard RLIMIT_NOFILE ({hard}) leaves no room to test that the suite raises it"
+        )
     done = subprocess.run(
-        [sys.executable, "-m", "pyshmckpt", "bench", "--quick", "--suite", str(SUITE), "--output", str(tmp_path / "out"),
-         "--", "-k", "64MiB-256t"],
+        [sys.executable, "-m", "pyshmckpt", "bench", "--quick", "--suite", str(SUITE),
+         "--output", str(tmp_path / "out"), "--", "-k", "64MiB-256t"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard)),
     )  # fmt: skip
@@ -91,21 +114,36 @@ def test_quick_run_of_a_slice_of_the_suite_reports_and_plots(tmp_path):
     assert "speed-up" in done.stdout
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     limits = results["machine"]["rlimit_nofile"]
-    assert limits["initial_soft"] == low and limits["soft"] == limits["hard"] == hard
+    assert limits["initial_soft"] == low
+    assert limits["soft"] == limits["hard"] == hard
     measured = {(r["phase"], r["transport"]) for r in results["rows"]}
-    assert measured == {("staging", "ours"), ("staging", "torch"), ("e2e", "ours"), ("e2e", "torch")}
+    assert measured == {
+        ("staging", "ours"),
+        ("staging", "torch"),
+        ("e2e", "ours"),
+        ("e2e", "torch"),
+    }
     assert all(r["GiB_per_s"] > 0 and r["nbytes"] == 64 * MIB for r in results["rows"])
-    for name in ("throughput_vs_size.png", "throughput_vs_tensors.png", "pytest-benchmark.json", "comparison.json"):
+    for name in (
+        "throughput_vs_size.png",
+        "throughput_vs_tensors.png",
+        "pytest-benchmark.json",
+        "comparison.json",
+    ):
         assert (tmp_path / "out" / name).stat().st_size > 0, name
 
 
 OUTPUT_NAMES = ("results.json", "comparison.json", "pytest-benchmark.json", "throughput_vs_size.png",
                 "throughput_vs_tensors.png")  # fmt: skip
 STALE = {name: b"stale from an earlier run" for name in OUTPUT_NAMES}
-STALE["results.json"] = json.dumps({"rows": rows(), "axes": {}, "ratios": {"stale ratio": 9.75}}).encode()
+STALE["results.json"] = json.dumps(
+    {"rows": rows(), "axes": {}, "ratios": {"stale ratio": 9.75}}
+).encode()
 
 
-@pytest.mark.skipif(not (SUITE / "test_sweep.py").exists(), reason="needs the repository's bench/ directory")
+@pytest.mark.skipif(
+    not (SUITE / "test_sweep.py").exists(), reason="needs the repository's bench/ directory"
+)
 def test_a_run_that_measures_nothing_reports_no_earlier_results(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -121,7 +159,8 @@ def test_a_run_that_measures_nothing_reports_no_earlier_results(tmp_path):
     )  # fmt: skip
     assert done.returncode != 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "the benchmark suite failed" in done.stderr
-    assert "speed-up" not in done.stdout and "9.75" not in done.stdout  # no table, stale or not
+    assert "speed-up" not in done.stdout
+    assert "9.75" not in done.stdout
     left = {p.name: p.read_bytes() for p in out.iterdir()}
     # pytest-benchmark writes its (empty) record of this run; nothing of the earlier run is left,
     # and only what a run writes was removed.
@@ -153,9 +192,11 @@ def test_an_output_that_cannot_be_removed_is_a_clear_error(tmp_path, capsys, mon
     monkeypatch.setattr(bench_runner, "missing_packages", lambda: [])
     started: list[object] = []
     monkeypatch.setattr(bench_runner.subprocess, "Popen", lambda *a, **k: started.append(a))
-    args = argparse.Namespace(quick=True, output=out, suite=SUITE, timeout=10.0, pytest_args=[], report_only=False)
+    args = argparse.Namespace(
+        quick=True, output=out, suite=SUITE, timeout=10.0, pytest_args=[], report_only=False
+    )
     assert bench_runner.main(args) == 2
     err = capsys.readouterr().err
-    assert "cannot remove the previous run's" in err and "results.json" in err
+    assert "cannot remove the previous run's" in err
+    assert "results.json" in err
     assert started == []  # pytest never ran
-

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SHM, child_env, wait_until
 
 import pyshmckpt
+
+from helpers import SHM, child_env, wait_until
 
 RUN_TIMEOUT = 180.0  # one tiny demo run: ~10 s here (python, torch, two writer processes)
 FIRST_CHECKPOINT_TIMEOUT = 120.0

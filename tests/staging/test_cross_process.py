@@ -9,12 +9,11 @@ import pytest
 import torch
 
 import pyshmckpt
-from helpers import buffer_bases
-
 from pyshmckpt import _C
 from pyshmckpt.staging.manifest import rebuild
+
 from conftest import train_step
-from helpers import same_bytes
+from helpers import buffer_bases, same_bytes
 
 SPAWN_TIMEOUT = 120
 
@@ -33,7 +32,7 @@ def assert_tree_equal(a, b) -> None:
             assert_tree_equal(a[key], b[key])
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b)
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=True):
             assert_tree_equal(x, y)
     else:
         assert a == b
@@ -76,13 +75,17 @@ def test_snapshot_while_training_continues(trained, stager):
         assert same_bytes(staged["model"][key], value)
 
 
-def _attach_and_digest(name: str, capacity: int, token: bytes, offset: int, manifest_bytes: bytes, queue) -> None:
+def _attach_and_digest(
+    name: str, capacity: int, token: bytes, offset: int, manifest_bytes: bytes, queue
+) -> None:
     segment = _C.Segment.attach(name, capacity, token)
     manifest = pickle.loads(manifest_bytes)
     view = memoryview(segment)
     staged = rebuild(manifest, buffer_bases(view), offset)
     digest = _digest(staged)
-    aliased = staged["model"]["embed.weight"].data_ptr() == staged["model"]["head.weight"].data_ptr()
+    aliased = (
+        staged["model"]["embed.weight"].data_ptr() == staged["model"]["head.weight"].data_ptr()
+    )
     queue.put((digest, aliased, staged["step"]))
     del staged
     segment.close()

@@ -28,8 +28,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import buffer_bases as bytes_bases
-
 from pyshmckpt import SlotState, TensorEntry, UnsupportedValueError, knobs
 from pyshmckpt.staging import layout
 from pyshmckpt.staging.manifest import (
@@ -43,6 +41,8 @@ from pyshmckpt.staging.manifest import (
     make_tensors,
     rebuild,
 )
+
+from helpers import buffer_bases as bytes_bases
 
 # torch warns once per process that ComplexHalf support is experimental (on the first complex32
 # tensor, here or in a slot's rebuild base) and that quantized dtypes are deprecated (on the first
@@ -315,7 +315,9 @@ def check_plan(plan: layout.StagingPlan) -> None:
         same(entry.offset, int(m.blocks[entry.block, 0]), f"offset of gathered {index}")
 
     # Block copies read from inside the source storages: plan() copies nothing itself.
-    storages = [(s.untyped_storage().data_ptr(), s.untyped_storage().nbytes()) for s in plan.sources]
+    storages = [
+        (s.untyped_storage().data_ptr(), s.untyped_storage().nbytes()) for s in plan.sources
+    ]
     for src, _, nbytes in block_rows:
         check(
             any(ptr <= src and src + nbytes <= ptr + size for ptr, size in storages),
@@ -1028,9 +1030,7 @@ def manifest_state() -> Any:
 def test_block_alignment_and_disjoint_blocks():
     sizes = [1, 3, 7, 15, 16, 17, 63, 64, 65, 100]
     dtypes = [torch.uint8, torch.float16, torch.float32, torch.float64, torch.complex128]
-    state = {
-        f"{dtype_name(d)}_{n}": random_tensor(d, (n,), seed=n) for d in dtypes for n in sizes
-    }
+    state = {f"{dtype_name(d)}_{n}": random_tensor(d, (n,), seed=n) for d in dtypes for n in sizes}
     state["odd_view"] = torch.arange(100, dtype=torch.uint8)[3:10]
     plan = layout.plan(state)
     m = plan.manifest
@@ -1360,9 +1360,7 @@ def test_a_failed_plan_stages_nothing(stager, kind):
     [
         pytest.param(lambda: random_tensor(torch.qint8, (3,)), id="qint8-dtype-plain-tensor"),
         pytest.param(lambda: random_tensor(torch.quint8, (2, 2)).t(), id="quint8-transposed"),
-        pytest.param(
-            lambda: random_tensor(DTYPES["uint4"], (4, 4))[:, ::2], id="uint4-strided"
-        ),
+        pytest.param(lambda: random_tensor(DTYPES["uint4"], (4, 4))[:, ::2], id="uint4-strided"),
         pytest.param(lambda: random_tensor(DTYPES["int3"], (6,))[::3], id="int3-strided"),
     ],
 )

@@ -6,12 +6,13 @@ import collections
 import gc
 import pickle
 from concurrent.futures import Future
+from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
 import torch.multiprocessing  # noqa: F401  (registers torch's reductions on ForkingPickler)
-from multiprocessing.reduction import ForkingPickler
 
+import pyshmckpt
 from pyshmckpt import (
     CapacityError,
     ShmStager,
@@ -41,7 +42,8 @@ def test_works_with_no_arguments():
     with ShmStager() as s:
         assert s.arena is None  # sized from the first state dict
         staged = s.stage(state())
-        assert s.arena is not None and len(s.arena.slots) == 2
+        assert s.arena is not None
+        assert len(s.arena.slots) == 2
         assert torch.equal(staged["w"], state()["w"])
         assert staged["nested"][1] == {"step": 7}
 
@@ -83,7 +85,8 @@ def test_two_slots_alternate_while_staged_dicts_are_held(stager):
     first = stager.stage(state(1.0))
     second = stager.stage(state(2.0))
     assert storage_ptr(first["w"]) != storage_ptr(second["w"])
-    assert float(first["w"][0, 0]) == 1.0 and float(second["w"][0, 0]) == 2.0
+    assert float(first["w"][0, 0]) == 1.0
+    assert float(second["w"][0, 0]) == 2.0
     with pytest.raises(SlotsBusyError):
         stager.stage(state(3.0))  # both slots are referenced; slot_timeout=0.5
     assert float(first["w"][0, 0]) == 1.0  # nothing was overwritten
@@ -234,7 +237,11 @@ def test_gaps_between_cuda_blocks_are_zeroed_too():
     """Blocks copied from the device still get their gaps zeroed by the host copy engine."""
     with ShmStager(slots=1) as stager:
         stager.stage({"secret": torch.full((1000,), -1.0)})  # dropped at once: the slot is free
-        source = {"a": torch.ones(3, device="cuda"), "b": torch.ones(5, device="cuda"), "c": torch.ones(7)}
+        source = {
+            "a": torch.ones(3, device="cuda"),
+            "b": torch.ones(5, device="cuda"),
+            "c": torch.ones(7),
+        }
         staged = stager.stage(source)
         handle = stager.handle(staged)
         manifest = handle.manifest
@@ -275,8 +282,9 @@ def test_capacity_larger_than_free_shared_memory_is_a_clean_oserror():
     import os
 
     free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
-    with pytest.raises(OSError) as info:
+    with pytest.raises(pyshmckpt.PyshmckptOSError) as info:
         ShmStager(capacity_bytes=free + (1 << 30), slots=1)
+    assert isinstance(info.value, OSError)
     assert info.value.errno == errno.ENOSPC
 
 
@@ -356,10 +364,12 @@ def test_containers_and_aliases_survive(stager):
     staged = stager.stage(source)
     assert type(staged) is collections.OrderedDict
     assert staged["a"] is staged["b"]
-    assert isinstance(staged["d"], tuple) and isinstance(staged["d"][1], list)
+    assert isinstance(staged["d"], tuple)
+    assert isinstance(staged["d"][1], list)
     assert staged["e"].default_factory is int
     ptr = storage_ptr(staged["a"])
-    assert storage_ptr(staged["c"]) == ptr and storage_ptr(staged["d"][0]) == ptr
+    assert storage_ptr(staged["c"]) == ptr
+    assert storage_ptr(staged["d"][0]) == ptr
     staged["a"][0, 0] = 123.0
     assert float(staged["c"][0, 0]) == 123.0
     assert float(staged["d"][0][0]) == 123.0

@@ -6,13 +6,15 @@ import pytest
 import torch
 
 import pyshmckpt
-from pyshmckpt import ShmStager, _C
+from pyshmckpt import _C, ShmStager
 
 pytestmark = pytest.mark.gpu
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+    return torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+    )
 
 
 def test_device_to_host_staging_is_bitwise_equal():
@@ -54,7 +56,8 @@ def test_pending_kernel_on_current_stream_finishes_before_the_copy():
             torch.cuda._sleep(50_000_000)  # keep the stream busy so the fill is still queued
             x.fill_(value)
             staged = s.stage({"x": x})
-            assert float(staged["x"][0]) == value and float(staged["x"][-1]) == value
+            assert float(staged["x"][0]) == value
+            assert float(staged["x"][-1]) == value
             del staged
         stream.synchronize()
 

@@ -19,6 +19,11 @@ from typing import Any
 
 import pytest
 import torch
+
+import pyshmckpt
+from pyshmckpt import CheckpointCorruptError, Checkpointer
+from pyshmckpt.cli import main as cli_main
+
 from helpers import (
     SAVE_TIMEOUT,
     assert_same_tree,
@@ -28,11 +33,6 @@ from helpers import (
     same_bytes,
     write_st_header,
 )
-
-import pyshmckpt
-from pyshmckpt import CheckpointCorruptError, Checkpointer
-from pyshmckpt.cli import main as cli_main
-
 
 # --------------------------------------------------------------------------------------------
 # round trip through the safetensors writer

@@ -20,7 +20,13 @@ from pyshmckpt import ShmStager
 from pyshmckpt.shm import SlotMapping
 from pyshmckpt.staging import layout
 from pyshmckpt.storage import safetensors_writer as file_writer
-from pyshmckpt.storage.safetensors_writer import BLOCK_PREFIX, DIRECT_IO_BLOCK, SafetensorsWriter, plan_file
+from pyshmckpt.storage.safetensors_writer import (
+    BLOCK_PREFIX,
+    DIRECT_IO_BLOCK,
+    SafetensorsWriter,
+    plan_file,
+)
+
 from helpers import SAVE_TIMEOUT, opened, same_bytes
 
 
@@ -60,14 +66,18 @@ def supports_direct_io(directory: Path) -> bool:
         probe.unlink()
 
 
-def write_directly(tmp_path: Path, state: dict[str, Any], **kwargs: Any) -> tuple[Path, SafetensorsWriter]:
+def write_directly(
+    tmp_path: Path, state: dict[str, Any], **kwargs: Any
+) -> tuple[Path, SafetensorsWriter]:
     """Stage `state` and write it with SafetensorsWriter in this process (no subprocess)."""
     writer = SafetensorsWriter(direct_io=True, **kwargs)
     with ShmStager(slots=1) as stager:
         staged = stager.stage(state)
         handle = stager.handle(staged)
         target = tmp_path / "ck"
-        writer.write_slot(str(target), SlotMapping(handle.slot.segment, handle.slot.offset), handle.manifest)
+        writer.write_slot(
+            str(target), SlotMapping(handle.slot.segment, handle.slot.offset), handle.manifest
+        )
         del staged
     return target, writer
 
@@ -75,7 +85,10 @@ def write_directly(tmp_path: Path, state: dict[str, Any], **kwargs: Any) -> tupl
 def check_same(loaded: dict[str, Any], state: dict[str, Any]) -> None:
     for key in ("big", "odd", "wide_t", "every_third", "bf16"):
         assert same_bytes(loaded[key], state[key]), key
-    assert loaded["tied"][0] is loaded["big"] or loaded["tied"][0].data_ptr() == loaded["big"].data_ptr()
+    assert (
+        loaded["tied"][0] is loaded["big"]
+        or loaded["tied"][0].data_ptr() == loaded["big"].data_ptr()
+    )
     assert loaded["step"] == 12
 
 
@@ -107,7 +120,9 @@ def test_chunks_written_in_parallel_land_in_place(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("code", [errno.EINVAL, errno.EOPNOTSUPP], ids=errno.errorcode.get)
 @pytest.mark.parametrize("where", ["open", "first write"])
-def test_filesystem_refusing_o_direct_falls_back_to_buffered_writes(tmp_path, monkeypatch, where, code):
+def test_filesystem_refusing_o_direct_falls_back_to_buffered_writes(
+    tmp_path, monkeypatch, where, code
+):
     real_open, real_pwrite = os.open, os.pwrite
     direct_fds: set[int] = set()
 
@@ -192,9 +207,13 @@ def write_with_fake_direct_io(
 
 
 @pytest.mark.parametrize("failure", ["EINVAL", "EOPNOTSUPP", "short"])
-def test_a_later_chunk_refused_or_short_is_finished_with_buffered_writes(tmp_path, monkeypatch, failure):
+def test_a_later_chunk_refused_or_short_is_finished_with_buffered_writes(
+    tmp_path, monkeypatch, failure
+):
     order: list[int] = []  # chunk positions in the order their writes were attempted
-    misbehaved: dict[int, tuple[int, int]] = {}  # position: (chunk bytes, bytes written with O_DIRECT)
+    misbehaved: dict[
+        int, tuple[int, int]
+    ] = {}  # position: (chunk bytes, bytes written with O_DIRECT)
 
     def misbehave(position, data, write):
         order.append(position)
@@ -208,7 +227,9 @@ def test_a_later_chunk_refused_or_short_is_finished_with_buffered_writes(tmp_pat
         code = getattr(errno, failure)
         raise OSError(code, os.strerror(code))
 
-    attempts, buffered, writer, start, bulk = write_with_fake_direct_io(tmp_path, monkeypatch, misbehave)
+    attempts, buffered, writer, start, bulk = write_with_fake_direct_io(
+        tmp_path, monkeypatch, misbehave
+    )
     assert len(misbehaved) == 2
     assert sorted(attempts) == [start + pos for pos in range(0, bulk, CHUNK)]  # one try per chunk
     for position, (size, done) in misbehaved.items():  # the rest went through the buffered fd
@@ -223,7 +244,9 @@ def test_a_short_first_write_keeps_o_direct_for_the_other_chunks(tmp_path, monke
         order.append(position)
         return write(DIRECT_IO_BLOCK + 1 if len(order) == 1 else len(data))
 
-    attempts, buffered, writer, start, bulk = write_with_fake_direct_io(tmp_path, monkeypatch, misbehave)
+    attempts, buffered, writer, start, bulk = write_with_fake_direct_io(
+        tmp_path, monkeypatch, misbehave
+    )
     assert order[0] == start  # the first chunk is written first, before the others start
     assert (start + DIRECT_IO_BLOCK + 1, CHUNK - DIRECT_IO_BLOCK - 1) in buffered
     assert sorted(attempts) == [start + pos for pos in range(0, bulk, CHUNK)]
@@ -267,7 +290,8 @@ def test_mirror_plan_tiles_the_slot_in_order():
     plan = plan_file(manifest, mirror_slot=True)
     cursor = 0
     for entry, (source, size) in zip(plan.entries, plan.sources, strict=True):
-        assert entry.begin == cursor == source and entry.end - entry.begin == size
+        assert entry.begin == cursor == source
+        assert entry.end - entry.begin == size
         cursor = entry.end
     assert cursor == manifest.size
     begin = {e.name: e.begin for e in plan.entries}
@@ -296,7 +320,9 @@ def write_after_stale_stage(tmp_path: Path, name: str, stale: float, state: dict
         staged = stager.stage(state)
         handle = stager.handle(staged)
         target = tmp_path / name
-        writer.write_slot(str(target), SlotMapping(handle.slot.segment, handle.slot.offset), handle.manifest)
+        writer.write_slot(
+            str(target), SlotMapping(handle.slot.segment, handle.slot.offset), handle.manifest
+        )
         del staged
     return target
 
@@ -306,7 +332,8 @@ def test_padding_entries_hold_zeros_not_earlier_training_state(tmp_path):
     target = write_after_stale_stage(tmp_path, "ck", -1.0, state)
     read = load_file(str(target / "rank0.safetensors"))
     pads = {name: t for name, t in read.items() if name.startswith(BLOCK_PREFIX + "pad")}
-    assert len(pads) == 2 and all(t.numel() > 0 for t in pads.values())
+    assert len(pads) == 2
+    assert all(t.numel() > 0 for t in pads.values())
     for name, pad in pads.items():
         assert torch.count_nonzero(pad).item() == 0, name
     for key, value in state.items():
@@ -320,4 +347,3 @@ def test_saves_of_the_same_state_are_byte_identical_whatever_the_slot_held(tmp_p
     second = write_after_stale_stage(tmp_path, "two", 12345.0, state)
     for name in ("rank0.safetensors", "rank0.json"):
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
-

@@ -9,12 +9,22 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import SAVE_TIMEOUT, assert_same_tree, gpt_state, link_target, names_in, opened, same_bytes, snapshot, visible
 
 import pyshmckpt
 from pyshmckpt import CheckpointCorruptError
 from pyshmckpt.storage import commit
 
+from helpers import (
+    SAVE_TIMEOUT,
+    assert_same_tree,
+    gpt_state,
+    link_target,
+    names_in,
+    opened,
+    same_bytes,
+    snapshot,
+    visible,
+)
 
 # --------------------------------------------------------------------------------------------
 # the other writers

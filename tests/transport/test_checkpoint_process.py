@@ -47,7 +47,10 @@ class DescribingWriter:
                     "ptr": node.data_ptr(),
                 }
             if isinstance(node, dict):
-                return {"type": type(node).__name__, "items": [[repr(k), describe(v)] for k, v in node.items()]}
+                return {
+                    "type": type(node).__name__,
+                    "items": [[repr(k), describe(v)] for k, v in node.items()],
+                }
             if isinstance(node, (list, tuple)):
                 return {"type": type(node).__name__, "items": [describe(v) for v in node]}
             return {"leaf": repr(node)}
@@ -65,9 +68,15 @@ class DescribingWriter:
 
 def describe_local(node):
     if isinstance(node, torch.Tensor):
-        return {"tensor": [str(node.dtype), list(node.shape)], "sum": float(node.double().sum()) if node.numel() else 0.0}
+        return {
+            "tensor": [str(node.dtype), list(node.shape)],
+            "sum": float(node.double().sum()) if node.numel() else 0.0,
+        }
     if isinstance(node, dict):
-        return {"type": type(node).__name__, "items": [[repr(k), describe_local(v)] for k, v in node.items()]}
+        return {
+            "type": type(node).__name__,
+            "items": [[repr(k), describe_local(v)] for k, v in node.items()],
+        }
     if isinstance(node, (list, tuple)):
         return {"type": type(node).__name__, "items": [describe_local(v) for v in node]}
     return {"leaf": repr(node)}
@@ -86,14 +95,19 @@ def sample_state() -> dict:
     w = torch.randn(32, 16)
     return {
         "model": collections.OrderedDict(weight=w, tied=w, bias=torch.arange(16.0)),
-        "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(32, 16)}}, "lr": 0.1},
+        "optim": {
+            "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(32, 16)}},
+            "lr": 0.1,
+        },
         "extra": (1, "two", [3.0, None]),
     }
 
 
 @pytest.fixture
 def process():
-    cp = CheckpointProcess(RANK, CheckpointProcessConfig(), no_init, (), DescribingWriter, {"tag": "t"})
+    cp = CheckpointProcess(
+        RANK, CheckpointProcessConfig(), no_init, (), DescribingWriter, {"tag": "t"}
+    )
     yield cp
     cp.close()
 
@@ -115,10 +129,14 @@ def test_plain_state_dict_reaches_the_writer_intact(process, tmp_path):
 
 def test_writer_sees_cpu_tensors_and_aliases(process, tmp_path):
     source = sample_state()
-    process.write(source, str(tmp_path / "c"), ).result(timeout=TIMEOUT)
+    process.write(
+        source,
+        str(tmp_path / "c"),
+    ).result(timeout=TIMEOUT)
     items = dict((k, v) for k, v in read(tmp_path / "c")["tree"]["items"])
     model = dict((k, v) for k, v in items["'model'"]["items"])
-    assert model["'weight'"]["cpu"] and model["'bias'"]["cpu"]
+    assert model["'weight'"]["cpu"]
+    assert model["'bias'"]["cpu"]
     assert model["'weight'"]["ptr"] == model["'tied'"]["ptr"]  # tied storage stays tied
 
 
@@ -169,7 +187,9 @@ def test_asyncio_users_can_await(process, tmp_path):
 
 def test_torch_checkpoint_writer_works_unchanged(tmp_path):
     config = CheckpointProcessConfig()
-    cp = CheckpointProcess(RANK, config, no_init, (), CheckpointWriter, {"config": CheckpointWriterConfig()})
+    cp = CheckpointProcess(
+        RANK, config, no_init, (), CheckpointWriter, {"config": CheckpointWriterConfig()}
+    )
     try:
         source = sample_state()
         cp.write(source, str(tmp_path / "step1")).result(timeout=TIMEOUT)
@@ -183,7 +203,14 @@ def test_torch_checkpoint_writer_works_unchanged(tmp_path):
 
 def test_torch_async_checkpointer_with_our_stager_and_process(tmp_path):
     stager = ShmStager()
-    cp = CheckpointProcess(RANK, CheckpointProcessConfig(), no_init, (), CheckpointWriter, {"config": CheckpointWriterConfig()})
+    cp = CheckpointProcess(
+        RANK,
+        CheckpointProcessConfig(),
+        no_init,
+        (),
+        CheckpointWriter,
+        {"config": CheckpointWriterConfig()},
+    )
     checkpointer = AsyncCheckpointer(stager, cp, CheckpointReader(RANK))
     try:
         model = torch.nn.Linear(8, 4)
@@ -226,8 +253,9 @@ def test_segments_are_gone_after_close(tmp_path):
     ],
 )
 def test_config_validation(kwargs):
-    with pytest.raises(ValueError):
+    with pytest.raises(pyshmckpt.ConfigError, match=next(iter(kwargs))) as info:
         CheckpointProcessConfig(**kwargs)
+    assert isinstance(info.value, ValueError)
 
 
 def test_constructor_type_checks():

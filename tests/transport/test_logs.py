@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import child_env, failure_of, wait_until
 
 import pyshmckpt
 from pyshmckpt import _log
 from pyshmckpt.transport import logs
+
+from helpers import child_env, failure_of, wait_until
 
 TIMEOUT = 60.0
 
@@ -84,7 +85,9 @@ def test_a_write_timeout_is_logged_as_a_warning_before_it_fails(tmp_path, caplog
     finally:
         process.close(abort=True)
     kills = records(caplog, "pyshmckpt.transport.parent", logging.WARNING)
-    assert any("killing writer process" in r.getMessage() and "deadline" in r.getMessage() for r in kills)
+    assert any(
+        "killing writer process" in r.getMessage() and "deadline" in r.getMessage() for r in kills
+    )
 
 
 UNCONFIGURED = textwrap.dedent(
@@ -127,7 +130,11 @@ def test_warn_once_warns_once_per_cause(caplog):
     assert not _log.warn_once(logger, "cause A", "fallback %d", 2)
     assert _log.warn_once(logger, "cause B", "fallback %d", 3)
     levels = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == logger.name]
-    assert levels == [(logging.WARNING, "fallback 1"), (logging.DEBUG, "fallback 2"), (logging.WARNING, "fallback 3")]
+    assert levels == [
+        (logging.WARNING, "fallback 1"),
+        (logging.DEBUG, "fallback 2"),
+        (logging.WARNING, "fallback 3"),
+    ]
 
 
 def test_forwarded_records_keep_what_a_handler_needs(caplog):

@@ -29,14 +29,6 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import (
-    SHM,
-    child_env,
-    failure_of,
-    pid_running,
-    proc_state,
-    wait_until,
-)
 
 import pyshmckpt
 from pyshmckpt import (
@@ -55,6 +47,15 @@ from pyshmckpt import (
 from pyshmckpt.shm import stale
 from pyshmckpt.transport import parent as writer_process
 from pyshmckpt.transport.channel import Kind, Request
+
+from helpers import (
+    SHM,
+    child_env,
+    failure_of,
+    pid_running,
+    proc_state,
+    wait_until,
+)
 
 SPAWN_TIMEOUT = 60.0  # a real spawn takes 1-3 s here; generous for loaded machines
 
@@ -818,8 +819,10 @@ def test_sigkill_of_the_trainer_stops_the_writer_and_removes_the_segments(tmp_pa
         trainer.wait(10)
         try:
             wait_until(
-                lambda: not pid_running(writer_pid)
-                and not any((SHM / name).exists() for name in segments),
+                lambda: (
+                    not pid_running(writer_pid)
+                    and not any((SHM / name).exists() for name in segments)
+                ),
                 10,
                 "the orphaned writer to exit and unlink the trainer's segments",
             )
@@ -977,4 +980,3 @@ def test_stale_segments_of_dead_owners_are_collected_and_live_ones_kept(tmp_path
             live.close()
         for name in created:
             (SHM / name).unlink(missing_ok=True)
-
