@@ -39,7 +39,8 @@ def test_dirs() -> list[str]:
 def child_env() -> dict[str, str]:
     """This environment (the session's segment prefix included), with pyshmckpt, the helpers and
     every test module importable by a child interpreter."""
-    env = dict(os.environ)
+    # Not a pytest worker: a pytest the child runs (pyshmckpt bench) must not think it is one.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(REPO_ROOT), *test_dirs(), *inherited]))
     return env
