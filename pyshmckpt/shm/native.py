@@ -24,9 +24,10 @@ def _load() -> ModuleType:
     package = Path(__file__).resolve().parent.parent
     raise ExtensionMissingError(
         f"pyshmckpt's compiled extension (pyshmckpt._C) is missing from {package}. In a clone of "
-        "the repository, build it in place with `python -m pip install torch==2.13.0 && python "
-        "-m pip install --no-build-isolation -e .` (see the README's 'Contributing'), or install "
-        "pyshmckpt with `python -m pip install .` and import it from outside the clone."
+        "the repository, build it in place with `python -m pip install torch==2.13.0 "
+        "scikit-build-core pybind11 && python -m pip install --no-build-isolation -e .` (see the "
+        "README's 'Contributing'), or install pyshmckpt with `python -m pip install .` and import "
+        "it from outside the clone."
     )
 
 
