@@ -99,7 +99,8 @@ class Checkpointer:
         direct_io: the safetensors writer writes tensor data with O_DIRECT where the filesystem
             allows it (bypassing the page cache), falling back to buffered writes elsewhere.
         capacity_bytes: bytes per slot, allocated up front (None: sized on first save).
-        config: settings of the writer process (timeouts, restarts).
+        config: settings of the writer process (timeouts, restarts, what happens to staged saves
+            when the trainer dies): a ``CheckpointProcessConfig``, pyshmckpt's or torch's.
         rank, world_size: this process's place among ranks that write each checkpoint together
             (None: from torch.distributed when it is initialized, else 0 and 1). Every rank saves
             under the same name (pass ``name``, or save equally often so the automatic names
@@ -122,7 +123,7 @@ class Checkpointer:
         allow_pickle: bool = False,
         direct_io: bool = False,
         capacity_bytes: int | None = None,
-        config: CheckpointProcessConfig | None = None,
+        config: CheckpointProcessConfig | Any = None,
         rank: int | None = None,
         world_size: int | None = None,
         barrier_timeout: float = 600.0,
@@ -156,6 +157,7 @@ class Checkpointer:
             capacity_bytes=capacity_bytes,
             slots=slots,
             validate=_check_plain if plain_only else None,
+            pickle_unsupported=not plain_only,
         )
         base = config or CheckpointProcessConfig()
         try:

@@ -193,12 +193,18 @@ class WriterDiedError(PyshmckptError, RuntimeError):
     """The writer process exited while work was pending; the message says how it exited."""
 
 
+class WriterConnectionError(WriterDiedError):
+    """The control channel to the writer process broke (closed from outside, or the writer
+    vanished mid-message). As torch's transport says: "Child process terminated unexpectedly".
+    The writer is stopped; the next write starts a new one."""
+
+
 class WriteTimeoutError(PyshmckptError, TimeoutError):
     """A write took longer than its write timeout; the writer process was killed first."""
 
 
 class WriterShutdownTimeoutError(PyshmckptError, TimeoutError):
-    """The writer did not exit within the shutdown timeout and had to be signalled."""
+    """The writer process was still alive after SIGKILL and the shutdown timeout."""
 
 
 class ProtocolError(PyshmckptError, RuntimeError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import threading
 from typing import Any
 
@@ -25,13 +26,17 @@ from .manifest import (
     LEAF,
     LIST,
     NAMED_TUPLE,
+    PICKLED,
     REDUCED,
     TUPLE,
     Manifest,
+    Pickled,
     contiguous_stride,
     dtype_name,
     format_path,
 )
+
+logger = logging.getLogger(__name__)
 
 # Dtypes whose values only make sense with a quantizer: a plain tensor viewed as one cannot be
 # restored faithfully.
@@ -103,7 +108,9 @@ class _Walker:
     so the common case pays nothing for them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pickle_unsupported: bool = False) -> None:
+        self.pickle_unsupported = pickle_unsupported
+        self.pickled = 0
         self.tensors: list[torch.Tensor] = []
         self.index: dict[int, int] = {}
         self.active: set[int] = set()
@@ -116,6 +123,8 @@ class _Walker:
             if i is None:
                 problem = _tensor_problem(obj)
                 if problem is not None:
+                    if self.pickle_unsupported:
+                        return self._pickled(obj, problem)
                     raise _Invalid(obj, problem)
                 i = len(self.tensors)
                 self.index[id(obj)] = i
@@ -135,6 +144,16 @@ class _Walker:
             raise _Invalid(
                 obj, f"value of type {cls.__qualname__} cannot be copied: {exc}"
             ) from exc
+
+    def _pickled(self, obj: torch.Tensor, problem: str) -> tuple[Any, ...]:
+        try:
+            snapshot = copy.deepcopy(obj, self.memo)
+        except Exception as exc:
+            raise _Invalid(
+                obj, f"{problem}, and it cannot be copied to travel pickled: {exc}"
+            ) from exc
+        self.pickled += 1
+        return (PICKLED, Pickled(snapshot))
 
     def _container(self, obj: Any, cls: type) -> tuple[Any, ...]:
         key = id(obj)
@@ -201,14 +220,20 @@ def _find_path(
     return None
 
 
-def plan(state_dict: Any) -> StagingPlan:
-    """Validate `state_dict` and lay it out; raises UnsupportedValueError before any copy."""
-    walker = _Walker()
+def plan(state_dict: Any, *, pickle_unsupported: bool = False) -> StagingPlan:
+    """Validate `state_dict` and lay it out; raises UnsupportedValueError before any copy.
+
+    With pickle_unsupported, tensors a slot cannot hold (sparse, nested, quantized, meta,
+    subclasses) become `Pickled` leaves (deep copies, carried beside the slot) instead.
+    """
+    walker = _Walker(pickle_unsupported)
     try:
         tree = walker.walk(state_dict)
     except _Invalid as bad:
         path = _find_path(state_dict, bad.obj, (), set())
         raise UnsupportedValueError(format_path(path or ()), bad.reason) from bad.__cause__
+    if walker.pickled:
+        logger.debug("%d value(s) the slot cannot hold travel pickled beside it", walker.pickled)
     tensors = walker.tensors
     n = len(tensors)
     align = knobs.alignment()

@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import functools
 import hashlib
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,58 @@ from ..errors import ConfigTypeError, ManifestIndexError
 # REDUCED covers every other dict or list type (OrderedDict, defaultdict, Counter, user
 # subclasses): it is rebuilt the way pickle would, from the container's __reduce_ex__, so that
 # constructor arguments and instance attributes (a module state dict's _metadata) survive.
-DICT, LIST, TUPLE, NAMED_TUPLE, LEAF, REDUCED = range(6)
+# PICKLED holds a `Pickled` leaf: a value a slot cannot hold, carried beside it by value.
+DICT, LIST, TUPLE, NAMED_TUPLE, LEAF, REDUCED, PICKLED = range(7)
+
+
+class Pickled:
+    """A leaf that a slot cannot hold (a sparse, nested, quantized or meta tensor, a tensor
+    subclass), carried beside the slot as pickle bytes, the way torch's transport pickles it.
+
+    Made from the value it snapshots (a deep copy); pickling it pickles that copy by value
+    (never through shared-memory handles, so it survives its trainer); `value` unpickles it
+    where it arrives, once, so that a value that cannot be rebuilt fails the write using it.
+    """
+
+    __slots__ = ("_data", "_value")
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+        self._data: bytes | None = None
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Pickled:
+        leaf = cls.__new__(cls)
+        leaf._data, leaf._value = data, _UNLOADED
+        return leaf
+
+    @property
+    def data(self) -> bytes:
+        if self._data is None:
+            self._data = pickle.dumps(self._value, protocol=pickle.HIGHEST_PROTOCOL)
+        return self._data
+
+    @property
+    def type_name(self) -> str:
+        value = self._value
+        if value is _UNLOADED:
+            return "pickled value"
+        return f"{type(value).__module__}.{type(value).__qualname__}"
+
+    @property
+    def value(self) -> Any:
+        if self._value is _UNLOADED:
+            self._value = pickle.loads(self.data)
+        return self._value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Pickled.from_bytes, (self.data,)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Pickled:
+        return self
+
+
+_UNLOADED = object()
 
 DTYPES: dict[str, torch.dtype] = {
     str(value).removeprefix("torch."): value
@@ -158,7 +210,7 @@ def _collect_paths(node: Any, path: tuple[Any, ...], out: list[Any]) -> None:
             out[node] = path
         return
     kind = node[0]
-    if kind == LEAF:
+    if kind == LEAF or kind == PICKLED:
         return
     if kind == DICT or (kind == REDUCED and node[1] is not None):
         for key, child in zip(node[1], node[2], strict=True):
@@ -251,7 +303,7 @@ def first_tensor_steps(node: Any) -> list[Any] | None:
     if type(node) is int:
         return []
     kind = node[0]
-    if kind == LEAF:
+    if kind == LEAF or kind == PICKLED:
         return None
     keys = node[1] if kind == DICT or (kind == REDUCED and node[1] is not None) else None
     for i, child in enumerate(node[2]):
@@ -268,6 +320,8 @@ def build(node: Any, tensors: list[torch.Tensor]) -> Any:
     kind = node[0]
     if kind == LEAF:
         return node[1]
+    if kind == PICKLED:
+        return node[1].value
     # Tensors are bare ints: resolve them inline, as most children of a state dict are tensors.
     values = [tensors[c] if type(c) is int else build(c, tensors) for c in node[2]]
     if kind == DICT:

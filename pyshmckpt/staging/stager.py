@@ -110,6 +110,9 @@ class ShmStager(*_bases):  # type: ignore[misc]
         headroom: slot size over the first state dict's size when sizing automatically.
         validate: called with each state dict's Manifest after the layout walk and before a slot
             is taken or anything copied; whatever it raises, stage() raises, with nothing staged.
+        pickle_unsupported: values a slot cannot hold (sparse, nested, quantized and meta tensors,
+            tensor subclasses) are deep-copied and carried pickled beside the slot, as torch's
+            transport would pickle them, instead of raising UnsupportedValueError.
 
     A slot stays busy while its staged tensors are referenced in this process or until
     ``release()`` is called for it.
@@ -126,6 +129,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
         slot_timeout: float | None = None,
         headroom: float | None = None,
         validate: Callable[[Manifest], None] | None = None,
+        pickle_unsupported: bool = False,
     ) -> None:
         self._closed = True  # until fully constructed, so __del__ has nothing to do
         if capacity_bytes is not None and (
@@ -150,6 +154,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
                 f"validate must be callable or None, not {type(validate).__name__}"
             )
         self._validate = validate
+        self._pickle_unsupported = bool(pickle_unsupported)
         self._allow_growth = bool(allow_growth)
         self._pin = pin
         self._async = bool(async_staging)
@@ -193,7 +198,8 @@ class ShmStager(*_bases):  # type: ignore[misc]
         stager usable. Extra keyword arguments (torch passes some) are accepted and ignored.
         """
         self._check_open()
-        staging_plan = layout.plan(state_dict)  # validation first: nothing is staged for bad input
+        # Validation first: nothing is staged for bad input.
+        staging_plan = layout.plan(state_dict, pickle_unsupported=self._pickle_unsupported)
         if self._validate is not None:
             self._validate(staging_plan.manifest)
         if self._executor is None:
@@ -232,7 +238,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
         """Stage `state_dict` into a slot of its own and lease it: no staged copy is handed out,
         and giving the handle back frees the slot. Blocking, whatever `async_staging` says."""
         self._check_open()
-        staging_plan = layout.plan(state_dict)
+        staging_plan = layout.plan(state_dict, pickle_unsupported=self._pickle_unsupported)
         if self._validate is not None:
             self._validate(staging_plan.manifest)
         slot, _ = self._stage_plan(staging_plan, None, lease=True)

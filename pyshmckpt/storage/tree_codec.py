@@ -89,6 +89,10 @@ def _encode(node: Any, allow_pickle: bool) -> Any:
     kind = node[0]
     if kind == layout.LEAF:
         return _encode_leaf(node[1], allow_pickle)
+    if kind == layout.PICKLED:  # already pickle bytes: stored as they came
+        if not allow_pickle:
+            raise _PickleRequired(f"a {node[1].type_name} (carried pickled)")
+        return {"pickle": base64.b64encode(node[1].data).decode()}
     children = [_encode(child, allow_pickle) for child in node[2]]
     if kind == layout.DICT:
         return {

@@ -8,6 +8,7 @@ while its bytes stay in a shared-memory slot, and every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -16,9 +17,18 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ..errors import CleanupError, ClosedError, ConfigError, ConfigTypeError, WriterDiedError
+from ..errors import (
+    CleanupError,
+    ClosedError,
+    ConfigError,
+    ConfigTypeError,
+    WriterConnectionError,
+    WriterDiedError,
+    WriteTimeoutError,
+)
 from ..shm import collect_stale_segments
 from ..staging import ShmStager, lease_staged
+from .child import OrphanPolicy
 from .parent import WriterProcess
 
 logger = logging.getLogger(__name__)
@@ -39,6 +49,8 @@ class CheckpointProcessConfig:
         slot_timeout_secs: seconds write() waits for a slot while all are being written.
         max_restarts: how many times a dead writer is restarted by a later write().
         collect_stale_segments: remove segments of dead owners at start-up.
+        on_trainer_death: "finish" (the writer finishes and commits the writes it was handed,
+            each bounded by write_timeout_secs, then exits) or "abandon" (it exits at once).
     """
 
     subprocess_init_timeout_secs: float = 30
@@ -49,8 +61,31 @@ class CheckpointProcessConfig:
     slot_timeout_secs: float = 60.0
     max_restarts: int = 3
     collect_stale_segments: bool = True
+    on_trainer_death: str = "finish"
+
+    @classmethod
+    def of(cls, config: Any) -> CheckpointProcessConfig:
+        """Ours as it is; torch's CheckpointProcessConfig, or any object with some of our fields
+        (the others keep their defaults), converted."""
+        if isinstance(config, cls):
+            return config
+        given = {
+            f.name: getattr(config, f.name)
+            for f in dataclasses.fields(cls)
+            if hasattr(config, f.name)
+        }
+        if not given:
+            raise ConfigTypeError(
+                f"config must be a CheckpointProcessConfig (pyshmckpt's or torch's), not "
+                f"{type(config).__name__}"
+            )
+        return cls(**given)
 
     def __post_init__(self) -> None:
+        if self.on_trainer_death not in ("finish", "abandon"):
+            raise ConfigError(
+                f'on_trainer_death must be "finish" or "abandon", not {self.on_trainer_death!r}'
+            )
         for name in (
             "subprocess_init_timeout_secs",
             "subprocess_shutdown_timeout_secs",
@@ -105,10 +140,7 @@ class CheckpointProcess:
         checkpoint_writer_init_args: dict[str, Any],
     ) -> None:
         self._closed = True  # until construction finishes
-        if not isinstance(config, CheckpointProcessConfig):
-            raise ConfigTypeError(
-                f"config must be a pyshmckpt.CheckpointProcessConfig, not {type(config).__name__}"
-            )
+        config = CheckpointProcessConfig.of(config)
         if not callable(subprocess_init_fn) or not callable(checkpoint_writer_init_fn):
             raise ConfigTypeError(
                 "subprocess_init_fn and checkpoint_writer_init_fn must be callable"
@@ -129,17 +161,19 @@ class CheckpointProcess:
             capacity_bytes=config.capacity_bytes,
             slots=config.slots,
             slot_timeout=config.slot_timeout_secs,
+            pickle_unsupported=True,
         )
         self._lock = threading.Lock()
         self._restarts = 0
         self.last_write_seconds: float | None = None  # time the writer spent in its last write
         # Every writer process started, the current one last; the finalizer closes them all.
         self._writers = [self._new_writer()]
+        self._process_handle = WriterProcesses(self._writers)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyshmckpt-process")
         self.process_creation_future: Future[None] = self._executor.submit(self._writer.start)
         self._closed = False
         self._finalizer = weakref.finalize(
-            self, CheckpointProcess._finalize, self._writers, self._stager, self._executor
+            self, CheckpointProcess._finalize_quietly, self._writers, self._stager, self._executor
         )
 
     # -- public API -------------------------------------------------------------------------
@@ -147,6 +181,17 @@ class CheckpointProcess:
     @property
     def _writer(self) -> WriterProcess:
         return self._writers[-1]
+
+    @property
+    def process(self) -> WriterProcesses:
+        """torch's handle: ``process.processes[0]`` is the current writer process (pid,
+        ``is_alive()``, ``exitcode``, ``kill()``); ``process.join(timeout)`` is True once it exited."""
+        return self._process_handle
+
+    @property
+    def _parent_end(self) -> Any:
+        """The trainer's end of the current writer's control channel (torch's name)."""
+        return self._writer.connection
 
     @property
     def pid(self) -> int | None:
@@ -159,14 +204,22 @@ class CheckpointProcess:
         return self._stager
 
     def write(self, state_dict: Any, path: Any, **kwargs: Any) -> Future[None]:
-        """Persist `state_dict` (or the result of a Future of one) at `path` in the writer."""
+        """Persist `state_dict` (or the result of a Future of one) at `path` in the writer.
+
+        As torch's: a writer that failed to start raises here (after waiting for it, bounded by
+        the init timeout); every other error of the write (staging, a dead writer, the writer's
+        own) fails the returned Future. A closed CheckpointProcess raises ClosedError.
+        """
         self._check_open()
+        self.process_creation_future.result()
         if isinstance(state_dict, Future):
             outer: Future[None] = Future()
+            wait = self._config.write_timeout_secs
 
             def resolve() -> None:
                 try:
-                    inner = self._write_now(state_dict.result(), path, kwargs)
+                    resolved = _result(state_dict, wait)
+                    inner = self._write_now(state_dict=resolved, path=path, kwargs=kwargs)
                 except BaseException as exc:
                     outer.set_exception(exc)
                     return
@@ -174,7 +227,13 @@ class CheckpointProcess:
 
             self._executor.submit(resolve)
             return outer
-        return self._write_now(state_dict, path, kwargs)
+        try:
+            return self._write_now(state_dict, path, kwargs)
+        except Exception as exc:
+            logger.debug("write to %s failed before it reached the writer: %r", path, exc)
+            failed: Future[None] = Future()
+            failed.set_exception(exc)
+            return failed
 
     async def write_async(self, state_dict: Any, path: Any, **kwargs: Any) -> None:
         """``await`` form of write(); staging a plain state dict runs off the event loop."""
@@ -183,10 +242,15 @@ class CheckpointProcess:
         await asyncio.wrap_future(future)
 
     def close(self, abort: bool = False) -> None:
-        """Shut the writer down (bounded) and free the shared memory. Idempotent.
+        """Finish every pending write, shut the writer down and free the shared memory.
 
-        abort=True is the host-fault path: pending writes are abandoned and the writer is killed
-        at once. Errors met while cleaning up are raised together afterwards (never from __del__).
+        Each pending write is bounded by its write timeout, then TERMINATE, join, SIGTERM,
+        join, SIGKILL, each bounded by the shutdown timeout (an escalation is logged as a
+        warning and fails any write it cut short). abort=True is the host-fault path: pending
+        writes fail with CheckpointAbortedError and the writer is killed at once. Returns
+        normally once the writer is gone and the memory freed; raises CleanupError only for what
+        could not be cleaned up (a process alive after SIGKILL, a segment not removed), and
+        never from the garbage collector or at exit. Idempotent.
         """
         if self._closed:
             return
@@ -213,6 +277,10 @@ class CheckpointProcess:
             *self._writer_spec,
             init_timeout=self._config.subprocess_init_timeout_secs,
             shutdown_timeout=self._config.subprocess_shutdown_timeout_secs,
+            orphans=OrphanPolicy(
+                finish=self._config.on_trainer_death == "finish",
+                write_timeout=self._config.write_timeout_secs,
+            ),
         )
 
     @staticmethod
@@ -223,17 +291,26 @@ class CheckpointProcess:
         abort: bool = False,
     ) -> list[BaseException]:
         errors: list[BaseException] = []
-        for writer in writers:
+        # Writes waiting for a Future of a state dict reach the writer first (unless aborting).
+        executor.shutdown(wait=not abort, cancel_futures=abort)
+        for writer in list(writers):
             try:
                 errors.extend(writer.close(abort=abort))
             except Exception as exc:
                 errors.append(exc)
-        executor.shutdown(wait=not abort, cancel_futures=True)
         try:
             stager.close()
         except Exception as exc:
             errors.append(exc)
         return errors
+
+    @staticmethod
+    def _finalize_quietly(
+        writers: list[WriterProcess], stager: ShmStager, executor: ThreadPoolExecutor
+    ) -> None:
+        """close() for the garbage collector and interpreter exit: what fails is logged."""
+        for error in CheckpointProcess._finalize(writers, stager, executor):
+            logger.warning("while closing the checkpoint process: %s", error)
 
     def _ensure_writer(self) -> WriterProcess:
         self.process_creation_future.result()  # raises the init error, if any (bounded)
@@ -251,7 +328,8 @@ class CheckpointProcess:
                 "the checkpoint writer process %s is gone (%s); starting a new one (restart %d of %d)",
                 writer.pid, writer.failure_text(), self._restarts, self._config.max_restarts,
             )  # fmt: skip
-            writer.close(abort=True)
+            for error in writer.close(abort=True):
+                logger.warning("while replacing the writer: %s", error)
             writer = self._new_writer()
             self._writers.append(writer)
         writer.start()
@@ -294,11 +372,39 @@ class CheckpointProcess:
         writer = self._ensure_writer()
         try:
             return writer.submit_write(generation, payload, timeout)
-        except WriterDiedError:
-            if writer.alive:
+        except WriterDiedError as exc:
+            if writer.alive or isinstance(exc, WriterConnectionError):
                 raise
             # It died between the liveness check and the send: restart it (within the budget).
             return self._ensure_writer().submit_write(generation, payload, timeout)
+
+
+class WriterProcesses:
+    """What torch's ``CheckpointProcess.process`` is (the context ``mp.spawn`` returns), for the
+    current writer: ``processes`` lists its multiprocessing Process (empty before it is spawned),
+    ``pids()`` its pid, and ``join(timeout)`` waits for it to exit, True once it has."""
+
+    def __init__(self, writers: list[WriterProcess]) -> None:
+        self._writers = writers  # the CheckpointProcess's list, the current writer last
+
+    @property
+    def processes(self) -> list[Any]:
+        process = self._writers[-1].process
+        return [] if process is None else [process]
+
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
+
+    def join(self, timeout: float | None = None) -> bool:
+        return self._writers[-1].join(timeout)
+
+
+def _result(future: Future[Any], timeout: float | None) -> Any:
+    """The state dict a Future resolves to, waiting at most `timeout` s."""
+    done, _ = concurrent.futures.wait([future], timeout=timeout)
+    if not done:
+        raise WriteTimeoutError(f"the Future of the state dict did not resolve within {timeout}s")
+    return future.result()
 
 
 def _chain(inner: Future[Any], outer: Future[Any]) -> None:
@@ -312,4 +418,4 @@ def _chain(inner: Future[Any], outer: Future[Any]) -> None:
     inner.add_done_callback(copy)
 
 
-__all__ = ["CheckpointProcess", "CheckpointProcessConfig"]
+__all__ = ["CheckpointProcess", "CheckpointProcessConfig", "WriterProcesses"]

@@ -3,24 +3,30 @@
 `writer_main` runs the init function, builds the writer (a `SlotWriter` or a `StateDictWriter`),
 and serves requests: it attaches each slot segment once, and for a WRITE hands the writer the
 mapped slot and manifest, or the staged state dict rebuilt as zero-copy CPU tensors over the
-slot. Its log records go to the trainer over the channel. If the trainer dies, it notices (pidfd
-of the parent, channel EOF, PR_SET_PDEATHSIG), unlinks the trainer's segments it knows of, and
-exits.
+slot. Its log records go to the trainer over the channel.
+
+If the trainer dies (noticed by the pidfd of the parent, PR_SET_PDEATHSIG and channel EOF), the
+writes it had handed over are complete snapshots in shared memory: by default (`OrphanPolicy`)
+the writer reads every request left in the pipe, finishes those writes (each bounded by the
+write timeout, the commit included), then unlinks the trainer's segments and exits. With
+``finish=False`` it unlinks them and exits at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import select
 import signal
+import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ..errors import ProtocolError
@@ -53,49 +59,117 @@ class _Outbox:
         return self.send(Response(Kind.LOG, 0, ok=True, payload=fields))
 
 
-def _watch_parent(parent_pid: int, on_death: Callable[[], None]) -> None:
-    """Call on_death() and exit as soon as the trainer process is gone."""
+@dataclasses.dataclass(frozen=True)
+class OrphanPolicy:
+    """What the writer does with the writes it was handed when the trainer dies.
 
-    def die() -> None:
+    finish: finish them (and their commits) before exiting; False: abandon them at once.
+    write_timeout: seconds each of them may take (None: no limit); the writer exits after that.
+    """
+
+    finish: bool = True
+    write_timeout: float | None = None
+
+
+# How long an orphaned writer waits for the rest of a request that was being sent when the
+# trainer died (another process may hold the trainer's end of the pipe open).
+_ORPHAN_IDLE_LIMIT = 10.0
+
+
+class _TrainerWatch:
+    """Notices the trainer's death and decides what follows (see OrphanPolicy)."""
+
+    def __init__(self, parent_pid: int, policy: OrphanPolicy, attached: AttachedSegments) -> None:
+        self.parent_pid = parent_pid
+        self.policy = policy
+        self.attached = attached
+        self.dead = threading.Event()
+        self.wake_r, self._wake_w = os.pipe()
+        self._lock = threading.Lock()
+        self._busy_since: float | None = None  # a write in progress, since
+        self._progress = time.monotonic()
+
+    def parent_gone(self) -> bool:
+        return os.getppid() != self.parent_pid
+
+    def died(self) -> None:
+        """The trainer is gone (called from the watch thread, the signal handler or the loop)."""
+        with self._lock:
+            if self.dead.is_set():
+                return
+            self.dead.set()
+        if not self.policy.finish:
+            self.exit(1)
+        logs.to_stderr()
+        logger.warning(
+            "the trainer (pid %d) is gone: finishing the writes it handed over, then exiting",
+            self.parent_pid,
+        )
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+        threading.Thread(
+            target=self._watchdog, name="pyshmckpt-orphan-watchdog", daemon=True
+        ).start()
+
+    def busy(self, writing: bool) -> None:
+        self._busy_since = time.monotonic() if writing else None
+        self._progress = time.monotonic()
+
+    def exit(self, code: int) -> None:
         with contextlib.suppress(Exception):
-            on_death()
-        os._exit(1)
+            self.attached.unlink_all()
+        os._exit(code)
 
-    def parent_gone() -> bool:
-        return os.getppid() != parent_pid
-
-    def handler(signum: int, frame: Any) -> None:  # noqa: ARG001
-        if parent_gone():
-            die()
-
-    signal.signal(_PARENT_DEATH_SIGNAL, handler)
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(_PARENT_DEATH_SIGNAL), 0, 0, 0)
-    if parent_gone():  # died before the signal was armed
-        die()
-
-    def watch() -> None:
-        try:
-            fd = os.pidfd_open(parent_pid)
-        except ProcessLookupError:
-            die()
-            return
-        except (OSError, AttributeError):
-            return  # no pidfd here: the channel EOF and the death signal still work
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
+    def _watchdog(self) -> None:
+        limit = self.policy.write_timeout
         while True:
-            if poller.poll():
-                die()
+            time.sleep(0.05)
+            now = time.monotonic()
+            since = self._busy_since
+            if since is not None and limit is not None and now - since > limit:
+                logger.error("an orphaned write ran past its %ss timeout: abandoning it", limit)
+                self.exit(1)
+            if since is None and now - self._progress > _ORPHAN_IDLE_LIMIT:
+                logger.error("the rest of a request never arrived: exiting")
+                self.exit(1)
 
-    threading.Thread(target=watch, name="pyshmckpt-parent-watch", daemon=True).start()
+    def arm(self) -> None:
+        """Watch for the trainer's death: parent-death signal, and a pidfd watched by a thread."""
+
+        def handler(signum: int, frame: Any) -> None:  # noqa: ARG001
+            if self.parent_gone():
+                self.died()
+
+        signal.signal(_PARENT_DEATH_SIGNAL, handler)
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(_PARENT_DEATH_SIGNAL), 0, 0, 0)
+        if self.parent_gone():  # died before the signal was armed
+            self.died()
+            return
+
+        def watch() -> None:
+            try:
+                fd = os.pidfd_open(self.parent_pid)
+            except ProcessLookupError:
+                self.died()
+                return
+            except (OSError, AttributeError):
+                return  # no pidfd here: the death signal and the channel EOF still work
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            while not poller.poll():
+                pass
+            self.died()
+
+        threading.Thread(target=watch, name="pyshmckpt-parent-watch", daemon=True).start()
 
 
 def writer_main(
     conn: Connection,
     parent_pid: int,
     log_levels: dict[str, int],
+    orphans: OrphanPolicy,
     rank_info: Any,
     subprocess_init_fn: Callable[..., Any],
     subprocess_init_args: tuple[Any, ...],
@@ -106,13 +180,14 @@ def writer_main(
 
     It ignores SIGINT: a terminal's Ctrl-C reaches the whole process group, and it is the
     trainer that decides what happens to pending writes (close() finishes them, close(abort=True)
-    drops them; the trainer's death stops the writer either way).
+    drops them; on the trainer's death, see OrphanPolicy).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     outbox = _Outbox(conn)
     logs.install(log_levels, outbox.log)
     attached = AttachedSegments()
-    _watch_parent(parent_pid, attached.unlink_all)
+    watch = _TrainerWatch(parent_pid, orphans, attached)
+    watch.arm()
     try:
         subprocess_init_fn(*subprocess_init_args)
         writer_args = dict(checkpoint_writer_init_args)
@@ -131,12 +206,19 @@ def writer_main(
     views = SlotViews()
     while True:
         try:
+            wait([conn, watch.wake_r])
+            if watch.dead.is_set():
+                break
             request: Request = conn.recv()
         except (EOFError, OSError):
-            attached.unlink_all()  # the trainer is gone
-            return
+            if not watch.parent_gone():
+                return  # the trainer closed the channel: it restarts a writer if it needs one
+            watch.died()
+            break
         if request.kind is Kind.WRITE:
+            watch.busy(True)
             outbox.send(_serve_write(request, writer, attached, views))
+            watch.busy(False)
         elif request.kind is Kind.TERMINATE:
             error = None
             close = getattr(writer, "close", None)
@@ -146,7 +228,12 @@ def writer_main(
                 except BaseException:
                     error = traceback.format_exc()
             outbox.send(Response(Kind.TERMINATE, request.id, ok=error is None, error=error))
-            return
+            # Done: skip the interpreter's teardown (with torch loaded it can outlast a short
+            # shutdown timeout and draw a SIGTERM).
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(0)
         else:
             outbox.send(
                 Response(
@@ -154,13 +241,57 @@ def writer_main(
                 )
             )
 
+    _finish_orphaned(conn, writer, attached, views, watch)
+
+
+def _finish_orphaned(
+    conn: Connection,
+    writer: Any,
+    attached: AttachedSegments,
+    views: SlotViews,
+    watch: _TrainerWatch,
+) -> None:
+    """The trainer is gone: finish every write left in the pipe, then clean up and exit."""
+    requests: list[Request] = []
+    with contextlib.suppress(Exception):  # EOF, or a request cut short by the trainer's death
+        while conn.poll(0):
+            requests.append(conn.recv())
+    writes = [r for r in requests if r.kind is Kind.WRITE]
+    # Attach every slot now: a restarted trainer may soon collect the dead one's segment names.
+    with contextlib.suppress(Exception):
+        attached.sync({s for r in writes for s in r.payload["segments"]})
+    failed = 0
+    for request in writes:
+        watch.busy(True)
+        response = _serve_write(request, writer, attached, views, sync=False)
+        watch.busy(False)
+        if response.ok:
+            logger.warning("finished the orphaned write of %s", request.payload.get("path"))
+        else:
+            failed += 1
+            logger.error(
+                "orphaned write of %s failed:\n%s", request.payload.get("path"), response.error
+            )
+    close = getattr(writer, "close", None)
+    if callable(close):
+        watch.busy(True)
+        with contextlib.suppress(Exception):
+            close()
+    watch.exit(1 if failed else 0)
+
 
 def _serve_write(
-    request: Request, writer: Any, attached: AttachedSegments, views: SlotViews
+    request: Request,
+    writer: Any,
+    attached: AttachedSegments,
+    views: SlotViews,
+    *,
+    sync: bool = True,
 ) -> Response:
     payload = request.payload
     try:
-        attached.sync(payload["segments"])
+        if sync:
+            attached.sync(payload["segments"])
         views.retain(attached.names())
         address = payload["slot"]
         manifest = payload["manifest"]

@@ -75,3 +75,14 @@ def _picklable(record: logging.LogRecord) -> dict[str, Any]:
     if record.exc_info:
         fields["exc_text"] = logging.Formatter().formatException(record.exc_info)
     return fields
+
+
+def to_stderr() -> None:
+    """In the writer, once the trainer is gone: its WARNING and ERROR records go to stderr (the
+    job's log, which the writer shares with the trainer), as nothing receives them any more."""
+    handler = logging.StreamHandler()
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(
+        logging.Formatter("pyshmckpt writer %(process)d: %(levelname)s %(name)s: %(message)s")
+    )
+    logging.getLogger().addHandler(handler)

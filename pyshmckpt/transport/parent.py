@@ -10,6 +10,7 @@ might be read. Log records the writer forwards are handed to the trainer's logge
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -26,6 +27,7 @@ from typing import Any, NoReturn
 from ..errors import (
     CheckpointAbortedError,
     ProtocolError,
+    WriterConnectionError,
     WriterDiedError,
     WriterError,
     WriterOSError,
@@ -46,7 +48,7 @@ from .channel import (
     send,
     wakeup_pipe,
 )
-from .child import writer_main
+from .child import OrphanPolicy, writer_main
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +75,13 @@ class WriterProcess:
         *,
         init_timeout: float,
         shutdown_timeout: float,
+        orphans: OrphanPolicy,
     ) -> None:
         self._target_args = (
             rank_info, subprocess_init_fn, tuple(subprocess_init_args),
             checkpoint_writer_init_fn, dict(checkpoint_writer_init_args),
         )  # fmt: skip
+        self._orphans = orphans
         self._init_timeout = init_timeout
         self._shutdown_timeout = shutdown_timeout
         self._lock = threading.Lock()
@@ -133,7 +137,13 @@ class WriterProcess:
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         process = ctx.Process(
             target=writer_main,
-            args=(child_conn, os.getpid(), logs.current_levels(), *self._target_args),
+            args=(
+                child_conn,
+                os.getpid(),
+                logs.current_levels(),
+                self._orphans,
+                *self._target_args,
+            ),
             name="pyshmckpt-writer",
             daemon=True,
         )
@@ -195,6 +205,20 @@ class WriterProcess:
         raise error
 
     @property
+    def process(self) -> Any:
+        """The multiprocessing Process of the writer (None before it is spawned)."""
+        return self._process
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait up to `timeout` s for the writer to exit; True once it has."""
+        return self._join(timeout)
+
+    @property
+    def connection(self) -> Connection | None:
+        """The trainer's end of the control channel (torch calls it ``_parent_end``)."""
+        return self._conn
+
+    @property
     def alive(self) -> bool:
         return self._failure is None and self._alive()
 
@@ -234,25 +258,34 @@ class WriterProcess:
                 raise
             if not sent:
                 self._pending.pop(request_id, None)
-                self._join(1.0)  # it is exiting: learn how
-                self._failure = self._dead_error()
-                raise self._failure
+                if self._conn is not None and self._conn.closed:
+                    self._failure = self._connection_error("it was closed from outside")
+                elif self._join(1.0):  # it exited: say how
+                    self._failure = self._dead_error()
+                else:  # alive, but the channel is broken
+                    self._failure = self._connection_error("the request could not be sent")
+            failure = self._failure
+        if failure is not None:
+            self._wake()
+            self.kill(str(failure))
+            raise failure
         self._wake()
         return future
 
     def close(self, *, abort: bool = False) -> list[BaseException]:
-        """Stop the writer: TERMINATE, join, SIGTERM, join, SIGKILL (abort: SIGKILL at once).
+        """Stop the writer. Idempotent and bounded.
 
-        Idempotent and bounded. Pending writes that did not finish fail (CheckpointAbortedError
-        on abort). Returns the errors met while cleaning up, for the caller to report.
+        First every pending write finishes (each bounded by its own deadline: the dispatcher
+        kills the writer when one overruns), then TERMINATE, join, SIGTERM, join, SIGKILL, each
+        wait bounded by the shutdown timeout; an escalation is logged as a warning. abort=True:
+        pending writes fail with CheckpointAbortedError and the writer is killed at once.
+        Returns what could not be cleaned up (a process still alive after SIGKILL).
         """
-        errors: list[BaseException] = []
         with self._lock:
             if self._closing:
-                return errors
+                return []
             self._closing = True
         process = self._process
-        terminated: Future[Any] | None = None
         if process is not None:
             if abort:
                 self._fail_pending(
@@ -263,14 +296,11 @@ class WriterProcess:
                 process.kill()
                 self._join(1.0)
             else:
-                terminated = self._terminate(process, errors)
+                self._finish_writes()
+                self._terminate(process)
         self._wake()
         if self._dispatcher is not None and self._dispatcher is not threading.current_thread():
             self._dispatcher.join(self._shutdown_timeout + 1.0)
-        if terminated is not None and terminated.done():
-            close_error = terminated.exception()
-            if close_error is not None:
-                errors.append(close_error)  # the user's writer.close() raised
         self._fail_pending(
             WriterDiedError(self._exit_text("the checkpoint writer process was closed"))
         )
@@ -279,7 +309,9 @@ class WriterProcess:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._wake_r = self._wake_w = -1
-        return errors
+        if process is not None and self._alive():
+            return [WriterShutdownTimeoutError(f"writer process {process.pid} survived SIGKILL")]
+        return []
 
     def kill(self, reason: str) -> None:
         """SIGKILL the writer and reap it (used for hung writers); `reason` is logged."""
@@ -291,8 +323,21 @@ class WriterProcess:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _terminate(self, process: Any, errors: list[BaseException]) -> Future[Any] | None:
-        """TERMINATE, join, SIGTERM, join, SIGKILL; returns the TERMINATE request's future."""
+    def _finish_writes(self) -> None:
+        """Wait for the pending writes; the dispatcher resolves each (or kills the writer)."""
+        with self._lock:
+            writes = [p.future for p in self._pending.values() if p.kind is Kind.WRITE]
+        if writes:
+            logger.debug("close(): waiting for %d pending write(s)", len(writes))
+        while writes:
+            dispatcher = self._dispatcher
+            if dispatcher is None or not dispatcher.is_alive():
+                return  # nothing resolves them any more: close() fails them
+            _, undone = concurrent.futures.wait(writes, timeout=1.0)
+            writes = list(undone)
+
+    def _terminate(self, process: Any) -> None:
+        """TERMINATE, join, SIGTERM, join, SIGKILL; each step logged when it had to escalate."""
         terminated: Future[Any] | None = None
         if self._alive() and self._conn is not None:
             with self._lock:
@@ -303,20 +348,20 @@ class WriterProcess:
                     self._pending.pop(request_id, None)
                     terminated = None
         if not self._join(self._shutdown_timeout):
-            message = (
-                f"checkpoint writer {process.pid} did not exit within "
-                f"{self._shutdown_timeout}s of TERMINATE; sent SIGTERM"
-            )
-            logger.warning("%s", message)
-            errors.append(WriterShutdownTimeoutError(message))
+            logger.warning(
+                "checkpoint writer %d did not exit within %ss of TERMINATE; sending SIGTERM",
+                process.pid, self._shutdown_timeout,
+            )  # fmt: skip
             process.terminate()
             if not self._join(self._shutdown_timeout):
-                message = f"checkpoint writer {process.pid} ignored SIGTERM; sent SIGKILL"
-                logger.warning("%s", message)
-                errors.append(WriterShutdownTimeoutError(message))
+                logger.warning(
+                    "checkpoint writer %d ignored SIGTERM for %ss; sending SIGKILL",
+                    process.pid, self._shutdown_timeout,
+                )  # fmt: skip
                 process.kill()
                 self._join(5.0)
-        return terminated
+        if terminated is not None and terminated.done() and terminated.exception() is not None:
+            logger.error("the writer's close() raised: %s", terminated.exception())
 
     def _reap(self) -> None:
         process = self._process
@@ -344,6 +389,8 @@ class WriterProcess:
         return describe_exit(self.exitcode)
 
     def _dead_error(self) -> BaseException:
+        if isinstance(self._failure, WriterConnectionError):
+            return self._failure
         if self._failure is not None and not isinstance(self._failure, WriterDiedError):
             return WriterDiedError(f"the checkpoint writer process is not usable: {self._failure}")
         return WriterDiedError(self._exit_text("the checkpoint writer process died"))
@@ -363,14 +410,21 @@ class WriterProcess:
             with self._lock:
                 deadlines = [p.deadline for p in self._pending.values() if p.deadline is not None]
             timeout = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
-            ready = wait([conn, process.sentinel, self._wake_r], timeout)
+            try:
+                ready = wait([conn, process.sentinel, self._wake_r], timeout)
+            except (OSError, ValueError) as exc:  # the connection was closed under us
+                self._break_channel(f"it cannot be waited on ({exc})")
+                return
             if self._wake_r in ready:
                 with contextlib.suppress(OSError):
                     os.read(self._wake_r, 4096)
-            while conn.poll(0):
+            while self._readable(conn):
                 try:
                     response = conn.recv()
-                except (EOFError, OSError):
+                except (EOFError, OSError) as exc:
+                    if not self._join(1.0):  # the writer lives on: the channel itself broke
+                        self._break_channel(f"reading from it failed ({exc!r})")
+                        return
                     break
                 if response.kind is Kind.LOG:
                     logs.emit_forwarded(response.payload)
@@ -379,9 +433,13 @@ class WriterProcess:
                     return
             if process.sentinel in ready or not self._alive():
                 self._join(1.0)
-                died = WriterDiedError(
+                died: WriterDiedError = WriterDiedError(
                     self._exit_text("the checkpoint writer process died with writes pending")
                 )
+                if self._failure is None and conn.closed:  # it left because of that
+                    self._failure = self._connection_error("it was closed from outside")
+                if isinstance(self._failure, WriterConnectionError):
+                    died = self._failure
                 if self._failure is None:
                     self._failure = died
                 with self._lock:
@@ -394,6 +452,26 @@ class WriterProcess:
                 return
             # Otherwise run until the child exits: close() may still be waiting for its reply to
             # TERMINATE (and the error of the user's writer.close() it may carry).
+
+    @staticmethod
+    def _readable(conn: Connection) -> bool:
+        try:
+            return conn.poll(0)
+        except (OSError, ValueError):
+            return True  # let recv() raise, and handle it there
+
+    def _connection_error(self, what: str) -> WriterConnectionError:
+        return WriterConnectionError(
+            f"Child process terminated unexpectedly: the control channel to checkpoint writer "
+            f"{self.pid} is broken ({what}); the writer is stopped and the next write starts a new one"
+        )
+
+    def _break_channel(self, what: str) -> None:
+        """The channel is unusable while the writer may live: stop the writer, fail the work."""
+        error = self._connection_error(what)
+        self._failure = error
+        self.kill(f"its control channel broke: {what}")
+        self._fail_pending(error)
 
     def _resolve(self, response: Response) -> bool:
         """Complete the request `response` answers; False when the protocol is broken."""

@@ -270,8 +270,9 @@ def test_constructor_type_checks():
 def test_unpicklable_kwargs_fail_cleanly_and_free_the_slot(process, tmp_path):
     import threading
 
-    with pytest.raises(Exception, match="pickle"):
-        process.write({"x": torch.ones(4)}, str(tmp_path / "c"), lock=threading.Lock())
+    future = process.write({"x": torch.ones(4)}, str(tmp_path / "c"), lock=threading.Lock())
+    with pytest.raises(Exception, match="pickle"):  # as torch's, through the Future
+        future.result(timeout=TIMEOUT)
     process.write({"x": torch.ones(4)}, str(tmp_path / "d")).result(timeout=TIMEOUT)
     assert process.stager.arena.idle()
 

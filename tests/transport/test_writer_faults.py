@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -36,7 +37,6 @@ from pyshmckpt import (
     CheckpointAbortedError,
     CheckpointProcess,
     CheckpointProcessConfig,
-    CleanupError,
     ProtocolError,
     WriterDiedError,
     WriterError,
@@ -117,6 +117,7 @@ class RecordingWriter:
         mode: str = "ok",
         delay: float = 0.0,
         close_error: str | None = None,
+        close_mode: str = "ok",
     ) -> None:
         if mode == "fail_init":
             raise LookupError("RecordingWriter cannot find its storage backend")
@@ -125,6 +126,7 @@ class RecordingWriter:
         self.mode = mode
         self.delay = delay
         self.close_error = close_error
+        self.close_mode = close_mode
 
     def _log(self, text: str) -> None:
         with (self.out_dir / "log.txt").open("a") as log:
@@ -166,7 +168,11 @@ class RecordingWriter:
         self._log(f"done {target.name}")
 
     def close(self) -> None:
+        if self.close_mode == "hang_ignoring_sigterm":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _atomic_write(self.out_dir / f"closed-{os.getpid()}", "closed")
+        if self.close_mode != "ok":
+            _hang()
         if self.close_error is not None:
             raise RuntimeError(self.close_error)
 
@@ -263,6 +269,7 @@ def make_cp(tmp_path: Path) -> Iterator[Callable[..., CheckpointProcess]]:
         init_fn: Callable[..., Any] = init_ok,
         init_args: tuple[Any, ...] = (),
         close_error: str | None = None,
+        close_mode: str = "ok",
         **overrides: Any,
     ) -> CheckpointProcess:
         settings: dict[str, Any] = {
@@ -278,7 +285,13 @@ def make_cp(tmp_path: Path) -> Iterator[Callable[..., CheckpointProcess]]:
             init_fn,
             init_args,
             RecordingWriter,
-            {"out_dir": str(tmp_path), "mode": mode, "delay": delay, "close_error": close_error},
+            {
+                "out_dir": str(tmp_path),
+                "mode": mode,
+                "delay": delay,
+                "close_error": close_error,
+                "close_mode": close_mode,
+            },  # fmt: skip
         )
         made.append(cp)
         return cp
@@ -373,8 +386,9 @@ def test_restart_budget(make_cp, tmp_path):
     assert not target.exists()
 
     # Third write: no restart left.
-    with pytest.raises(WriterDiedError, match=r"restart budget \(1\) is spent"):
-        cp.write(make_state(2), str(tmp_path / "never"))
+    exc = failure_of(cp.write(make_state(2), str(tmp_path / "never")), 1)
+    assert isinstance(exc, WriterDiedError), repr(exc)
+    assert "restart budget (1) is spent" in str(exc)
     assert cp.pid == second
     assert not Path(f"{tmp_path / 'never'}.started").exists()
     cp.close()  # a dead writer closes cleanly
@@ -385,47 +399,78 @@ def test_restart_budget(make_cp, tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-def test_close_with_a_hung_writer_escalates_to_sigterm_and_is_bounded(make_cp, tmp_path):
-    cp = make_cp(mode="hang", subprocess_shutdown_timeout_secs=1)
-    started(cp)
-    target = tmp_path / "hung"
-    future = cp.write(make_state(0), str(target))
-    pid = wait_started(target)
+def test_close_with_a_writer_hung_in_close_escalates_to_sigterm_and_returns(
+    make_cp, tmp_path, caplog
+):
+    """The writer hangs on TERMINATE (its close() never returns): close() sends SIGTERM after the
+    shutdown timeout, logs it, and returns normally: the cleanup succeeded."""
+    cp = make_cp(mode="ok", close_mode="hang", subprocess_shutdown_timeout_secs=1)
+    pid = started(cp)
+    record = write_ok(cp, tmp_path / "saved", 0)
+    assert record["pid"] == pid
 
     t0 = time.monotonic()
-    with pytest.raises(CleanupError, match="SIGTERM") as info:
+    with caplog.at_level(logging.WARNING, logger="pyshmckpt"):
         cp.close()
     elapsed = time.monotonic() - t0
     assert 0.9 <= elapsed < 4.0, f"close() took {elapsed:.2f}s"
-    assert any(isinstance(e, TimeoutError) for e in info.value.errors)
     assert not pid_running(pid)
-    exc = failure_of(future, 1)
-    assert isinstance(exc, WriterDiedError), repr(exc)
-    assert f"pid {pid}" in str(exc)
-    assert "signal SIGTERM" in str(exc)
-    assert not (tmp_path / f"closed-{pid}").exists()  # the writer never got to close()
-    cp.close()  # idempotent: nothing raised the second time
+    assert (tmp_path / f"closed-{pid}").exists()  # it was in its close() when signalled
+    assert cp.process.processes[0].exitcode == -signal.SIGTERM
+    assert any("sending SIGTERM" in r.getMessage() for r in caplog.records), caplog.text
+    cp.close()  # idempotent
     with pytest.raises(pyshmckpt.PyshmckptError, match="closed"):
         cp.write(make_state(1), str(tmp_path / "after-close"))
 
 
-def test_close_with_a_writer_ignoring_sigterm_escalates_to_sigkill(make_cp, tmp_path):
-    cp = make_cp(mode="hang_ignoring_sigterm", subprocess_shutdown_timeout_secs=1)
-    started(cp)
-    target = tmp_path / "stubborn"
-    future = cp.write(make_state(0), str(target))
-    pid = wait_started(target)  # SIGTERM is ignored from here on
+def test_close_with_a_writer_ignoring_sigterm_escalates_to_sigkill(make_cp, tmp_path, caplog):
+    cp = make_cp(mode="ok", close_mode="hang_ignoring_sigterm", subprocess_shutdown_timeout_secs=1)
+    pid = started(cp)
+    write_ok(cp, tmp_path / "saved", 0)
 
     t0 = time.monotonic()
-    with pytest.raises(CleanupError, match="ignored SIGTERM; sent SIGKILL"):
+    with caplog.at_level(logging.WARNING, logger="pyshmckpt"):
         cp.close()
     elapsed = time.monotonic() - t0
     assert 1.8 <= elapsed < 6.0, f"close() took {elapsed:.2f}s"
     assert not pid_running(pid)
-    exc = failure_of(future, 1)
-    assert isinstance(exc, WriterDiedError), repr(exc)
-    assert f"pid {pid}" in str(exc)
-    assert "signal SIGKILL" in str(exc)
+    assert cp.process.processes[0].exitcode == -signal.SIGKILL
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("sending SIGTERM" in m for m in messages), messages
+    assert any("ignored SIGTERM" in m and "SIGKILL" in m for m in messages), messages
+
+
+def test_close_lets_a_write_longer_than_the_shutdown_timeout_finish(make_cp, tmp_path):
+    """The final checkpoint of a large model on a slow disk: close() waits for it (bounded by
+    the write timeout, not the shutdown timeout), and its Future succeeds."""
+    cp = make_cp(mode="ok", delay=2.5, subprocess_shutdown_timeout_secs=0.5, write_timeout_secs=30)
+    pid = started(cp)
+    target = tmp_path / "final"
+    state = make_state(5)
+    future = cp.write(state, str(target))
+    wait_started(target)
+    cp.close()
+    assert future.done()
+    assert future.exception() is None
+    record = read_record(target)
+    assert record["pid"] == pid
+    assert record["digest"] == expected_digest(state)
+    assert (tmp_path / f"closed-{pid}").exists()  # then shut down gracefully
+    assert cp.process.processes[0].exitcode == 0
+
+
+def test_close_after_the_write_timeout_killed_a_hung_writer_returns_normally(make_cp, tmp_path):
+    cp = make_cp(mode="hang", write_timeout_secs=1, subprocess_shutdown_timeout_secs=1)
+    started(cp)
+    target = tmp_path / "hung"
+    future = cp.write(make_state(0), str(target))
+    pid = wait_started(target)
+    t0 = time.monotonic()
+    cp.close()  # waits for the write, which the timeout ends by killing the writer
+    assert time.monotonic() - t0 < 5.0
+    assert not pid_running(pid)
+    assert isinstance(failure_of(future, 1), pyshmckpt.WriteTimeoutError)
+    assert not target.exists()
 
 
 def test_graceful_close_finishes_the_pending_write_and_closes_the_writer(make_cp, tmp_path):
@@ -689,20 +734,15 @@ def _widen_reap_race(
 def test_exit_of_a_writer_reaped_by_close_is_described_in_the_error(make_cp, tmp_path, monkeypatch):
     """close() and the dispatcher both wait for the writer; the one that does not reap it must
     still learn how it exited (it said "still running" instead of "signal SIGTERM")."""
-    cp = make_cp(mode="hang", subprocess_shutdown_timeout_secs=1)
-    started(cp)
-    target = tmp_path / "hung"
-    future = cp.write(make_state(0), str(target))
-    pid = wait_started(target)
+    cp = make_cp(mode="ok", close_mode="hang", subprocess_shutdown_timeout_secs=1)
+    pid = started(cp)
+    write_ok(cp, tmp_path / "saved", 0)
     _widen_reap_race(
         monkeypatch, pid, reaper="MainThread", late="pyshmckpt-writer-dispatch", pause=1.0
     )
-    with pytest.raises(CleanupError, match="SIGTERM"):
-        cp.close()
+    cp.close()
     monkeypatch.undo()
-    exc = failure_of(future, 1)
-    assert isinstance(exc, WriterDiedError), repr(exc)
-    assert "signal SIGTERM" in str(exc), str(exc)
+    assert "signal SIGTERM" in cp._writer.failure_text()
 
 
 def test_write_right_after_a_writer_death_restarts_it(make_cp, tmp_path, monkeypatch):
@@ -720,15 +760,16 @@ def test_write_right_after_a_writer_death_restarts_it(make_cp, tmp_path, monkeyp
     assert record["pid"] == cp.pid != pid
 
 
-def test_error_raised_by_the_writers_close_is_reported_by_close(make_cp, tmp_path):
+def test_error_raised_by_the_writers_close_is_logged_by_close(make_cp, tmp_path, caplog):
     """The child sends the traceback of the user writer's close() in its TERMINATE reply; close()
-    must report it (it was dropped)."""
+    logs it as an error (it was dropped), and returns: the writer is gone all the same."""
     cp = make_cp(mode="ok", close_error="flush to the object store failed")
     pid = started(cp)
     write_ok(cp, tmp_path / "one", 0)
     try:
-        with pytest.raises(CleanupError, match="flush to the object store failed"):
+        with caplog.at_level(logging.ERROR, logger="pyshmckpt"):
             cp.close()
+        assert "flush to the object store failed" in caplog.text
     finally:
         assert (tmp_path / f"closed-{pid}").exists()  # close() did run in the child
         assert not pid_exists(pid)
@@ -754,7 +795,7 @@ TRAINER = textwrap.dedent(
             {"rank": 0, "world_size": 1},
             CheckpointProcessConfig(
                 subprocess_init_timeout_secs=60, subprocess_shutdown_timeout_secs=2,
-                write_timeout_secs=300,
+                write_timeout_secs=3,
             ),
             init_ok, (), RecordingWriter, {"out_dir": out_dir},
         )
@@ -783,6 +824,9 @@ TRAINER = textwrap.dedent(
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("phase", ["idle", "mid-write"])
 def test_sigkill_of_the_trainer_stops_the_writer_and_removes_the_segments(tmp_path, phase):
+    """Idle, the orphaned writer exits at once; mid-write (a write that hangs), it tries to
+    finish that write for the write timeout (3 s here), then gives up; either way it removes the
+    trainer's segments."""
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     out = tmp_path / "out"
@@ -823,7 +867,7 @@ def test_sigkill_of_the_trainer_stops_the_writer_and_removes_the_segments(tmp_pa
                     not pid_running(writer_pid)
                     and not any((SHM / name).exists() for name in segments)
                 ),
-                10,
+                10 if phase == "idle" else 15,
                 "the orphaned writer to exit and unlink the trainer's segments",
             )
         except AssertionError as exc:
@@ -847,12 +891,13 @@ UNLINKER = textwrap.dedent(
     from pathlib import Path
 
     from pyshmckpt.shm import AttachedSegments
-    from pyshmckpt.transport.child import _watch_parent
+    from pyshmckpt.transport.child import OrphanPolicy, _TrainerWatch
 
     marker, name = Path(sys.argv[1]), sys.argv[2]
     attached = AttachedSegments()
     attached._known = {name}
-    _watch_parent(os.getppid(), attached.unlink_all)  # as writer_main does
+    # As writer_main does, with staged writes abandoned when the trainer dies.
+    _TrainerWatch(os.getppid(), OrphanPolicy(finish=False), attached).arm()
     real_unlink = os.unlink
     slowed = []
 

@@ -1,0 +1,127 @@
+"""A staged checkpoint outlives its trainer: SIGKILL right after save() returned, and the writer
+still finishes the write, commits it (multi-rank too), removes the shared memory and exits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import pyshmckpt
+
+from helpers import SHM, assert_same_tree, child_env, pid_running, wait_until
+
+TRAINER = textwrap.dedent(
+    """
+    import json, os, signal, sys
+
+    import torch
+
+    import pyshmckpt
+    from helpers import register_slow_writer
+
+    def main():
+        root, rank, world, policy = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+        config = pyshmckpt.CheckpointProcessConfig(write_timeout_secs=60, on_trainer_death=policy)
+        checkpointer = pyshmckpt.Checkpointer(
+            root, writer=register_slow_writer(), rank=rank, world_size=world, run_id="deadtrainer",
+            barrier_timeout=60, config=config,
+        )
+        torch.manual_seed(rank)
+        state = {"w": torch.randn(256, 64), "b": torch.arange(10) * rank, "step": 7}
+        checkpointer.save(state, name="final")  # staged and handed over; written in the background
+        print(json.dumps({"writer": checkpointer._process.pid}), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # an OOM kill, a segfault: no cleanup of any kind
+
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+def expected_state(rank: int) -> dict[str, object]:
+    torch.manual_seed(rank)
+    return {"w": torch.randn(256, 64), "b": torch.arange(10) * rank, "step": 7}
+
+
+def segments_of_session() -> set[str]:
+    import os
+
+    prefix = os.environ["PYSHMCKPT_SEGMENT_PREFIX"] + "-"
+    return {p.name for p in SHM.iterdir() if p.name.startswith(prefix)}
+
+
+def run_trainers(tmp_path: Path, world: int, policy: str) -> list[int]:
+    """Start `world` trainers that save once and SIGKILL themselves; returns their writers' pids
+    once every trainer is dead."""
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    root = tmp_path / "ckpt"
+    root.mkdir(exist_ok=True)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(root), str(rank), str(world), policy],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+            cwd=str(tmp_path),
+        )  # fmt: skip
+        for rank in range(world)
+    ]
+    writers = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == -9, f"the trainer exited with {proc.returncode}:\n{err}"
+            writers.append(json.loads(out.splitlines()[-1])["writer"])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    return writers
+
+
+def wait_for_writers(writers: list[int], timeout: float) -> None:
+    wait_until(lambda: not any(pid_running(pid) for pid in writers), timeout, "the writers to exit")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_save_staged_before_the_trainer_was_killed_is_committed(tmp_path, world):
+    before = segments_of_session()
+    writers = run_trainers(tmp_path, world, "finish")
+    wait_for_writers(writers, 120)
+    root = tmp_path / "ckpt"
+    latest = root / "latest"
+    assert latest.is_symlink()
+    assert latest.readlink() == Path("final")
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == [
+        "final",
+        "latest",
+    ]
+    for rank in range(world):
+        loaded = pyshmckpt.load(root, rank=rank)  # checksums verified
+        assert_same_tree(expected_state(rank), loaded)
+    assert segments_of_session() - before == set()
+
+
+@pytest.mark.timeout(240)
+def test_abandon_on_trainer_death_drops_the_staged_save(tmp_path):
+    before = segments_of_session()
+    writers = run_trainers(tmp_path, 1, "abandon")
+    wait_for_writers(writers, 15)
+    root = tmp_path / "ckpt"
+    assert not (root / "final").exists()
+    assert not (root / "latest").exists()
+    assert segments_of_session() - before == set()
+    with pyshmckpt.Checkpointer(root) as checkpointer:  # the next run cleans what was left
+        assert [p.name for p in root.iterdir()] == []
+        assert checkpointer.latest() is None
