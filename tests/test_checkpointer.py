@@ -479,3 +479,31 @@ def test_a_staged_dict_is_found_even_when_a_stale_slot_has_its_id():
         handle = stager.handle(live)
         assert handle is not None, "the staged dict is not found"
         assert handle.slot is live_slot
+
+
+def test_values_a_slot_cannot_hold_are_stored_pickled_only_with_allow_pickle(tmp_path):
+    state = {"w": torch.ones(3), "sparse": torch.eye(3).to_sparse()}
+    with opened(tmp_path) as checkpointer:
+        with pytest.raises(pyshmckpt.UnsupportedValueError, match=r"\['sparse'\].*sparse"):
+            checkpointer.save(state)
+        assert list(tmp_path.iterdir()) == []  # refused before anything was staged or written
+    with opened(tmp_path, allow_pickle=True) as checkpointer:
+        path = checkpointer.save(state).result(timeout=SAVE_TIMEOUT)
+    state["sparse"].values().zero_()  # the checkpoint holds the values as they were at save()
+    with pytest.raises(pyshmckpt.PyshmckptError, match="allow_pickle=True"):
+        pyshmckpt.load(path)
+    loaded = pyshmckpt.load(path, allow_pickle=True)
+    assert loaded["sparse"].is_sparse
+    assert torch.equal(loaded["sparse"].to_dense(), torch.eye(3))
+    assert torch.equal(loaded["w"], torch.ones(3))
+
+
+def test_a_temporary_a_live_writer_holds_survives_the_next_opening_of_the_root(tmp_path):
+    """The writer of a trainer that died may still be finishing a checkpoint when the restarted
+    job opens the root: its temporary is left alone while it is in use, removed after."""
+    temp = commit.new_temp_dir(tmp_path, "orphaned")
+    with commit.in_use(temp):
+        with opened(tmp_path):
+            assert temp.is_dir()
+    with opened(tmp_path):
+        assert not temp.exists()

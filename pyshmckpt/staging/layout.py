@@ -147,13 +147,13 @@ class _Walker:
 
     def _pickled(self, obj: torch.Tensor, problem: str) -> tuple[Any, ...]:
         try:
-            snapshot = copy.deepcopy(obj, self.memo)
+            leaf = Pickled.snapshot(obj)
         except Exception as exc:
             raise _Invalid(
-                obj, f"{problem}, and it cannot be copied to travel pickled: {exc}"
+                obj, f"{problem}, and it cannot be pickled to travel beside the slot: {exc}"
             ) from exc
         self.pickled += 1
-        return (PICKLED, Pickled(snapshot))
+        return (PICKLED, leaf)
 
     def _container(self, obj: Any, cls: type) -> tuple[Any, ...]:
         key = id(obj)

@@ -9,12 +9,14 @@ one block again.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
 import hashlib
 import pickle
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -36,35 +38,24 @@ class Pickled:
     """A leaf that a slot cannot hold (a sparse, nested, quantized or meta tensor, a tensor
     subclass), carried beside the slot as pickle bytes, the way torch's transport pickles it.
 
-    Made from the value it snapshots (a deep copy); pickling it pickles that copy by value
-    (never through shared-memory handles, so it survives its trainer); `value` unpickles it
-    where it arrives, once, so that a value that cannot be rebuilt fails the write using it.
+    `snapshot` pickles the value at once (by value, never through shared-memory handles, so it
+    survives its trainer and later changes to the value are not seen); `value` unpickles it
+    where it is used, once, so that a value that cannot be rebuilt fails the write using it.
     """
 
-    __slots__ = ("_data", "_value")
+    __slots__ = ("data", "type_name", "_value")
 
-    def __init__(self, value: Any) -> None:
-        self._value = value
-        self._data: bytes | None = None
+    def __init__(self, data: bytes, type_name: str) -> None:
+        self.data = data
+        self.type_name = type_name  # of the value, for messages
+        self._value: Any = _UNLOADED
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Pickled:
-        leaf = cls.__new__(cls)
-        leaf._data, leaf._value = data, _UNLOADED
-        return leaf
-
-    @property
-    def data(self) -> bytes:
-        if self._data is None:
-            self._data = pickle.dumps(self._value, protocol=pickle.HIGHEST_PROTOCOL)
-        return self._data
-
-    @property
-    def type_name(self) -> str:
-        value = self._value
-        if value is _UNLOADED:
-            return "pickled value"
-        return f"{type(value).__module__}.{type(value).__qualname__}"
+    def snapshot(cls, value: Any) -> Pickled:
+        """A Pickled leaf of `value` as it is now: its pickle bytes, taken at once."""
+        with quiet_storage_warnings():
+            data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        return cls(data, f"{type(value).__module__}.{type(value).__qualname__}")
 
     @property
     def value(self) -> Any:
@@ -73,13 +64,23 @@ class Pickled:
         return self._value
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return Pickled.from_bytes, (self.data,)
+        return Pickled, (self.data, self.type_name)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Pickled:
         return self
 
 
 _UNLOADED = object()
+
+
+@contextlib.contextmanager
+def quiet_storage_warnings() -> Iterator[None]:
+    """torch's own copy and pickle code for quantized tensors goes through TypedStorage and warns
+    that it is deprecated; the warning is about torch's internals, not the caller's code."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
+        yield
+
 
 DTYPES: dict[str, torch.dtype] = {
     str(value).removeprefix("torch."): value

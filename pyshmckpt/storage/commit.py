@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -203,13 +204,46 @@ def retain(root: Path, keep_last: int, *, background: bool = False) -> list[str]
     return removed
 
 
+@contextlib.contextmanager
+def in_use(directory: Path) -> Iterator[None]:
+    """Mark a checkpoint's temporary directory as being written (a shared flock held while the
+    block runs), so that `clean_leftovers` of a restarted job leaves it alone: the writer of a
+    trainer that died may still be finishing it."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _being_written(directory: Path) -> bool:
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False  # no flock on this filesystem: nothing tells
+    finally:
+        os.close(fd)
+    return False
+
+
 def clean_leftovers(root: Path) -> list[str]:
-    """Remove temporaries a crash left behind (unfinished checkpoints, trash, link temporaries)."""
+    """Remove temporaries a crash left behind (unfinished checkpoints, trash, link temporaries),
+    except checkpoints a live writer is still writing (see `in_use`)."""
     removed = []
     for entry in os.scandir(root):
         if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX, FAILED_PREFIX, f".{LATEST}-")):
             path = Path(entry.path)
             if path.is_dir() and not path.is_symlink():
+                if entry.name.startswith(TMP_PREFIX) and _being_written(path):
+                    logger.info("left %s alone: a writer is still finishing it", entry.name)
+                    continue
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 with contextlib.suppress(FileNotFoundError):
@@ -252,8 +286,9 @@ def commit_directory(
         return _SharedCommit(final, rank, world_size, attempt, barrier_timeout).run(fill, keep_last)
     temp = new_temp_dir(root, final.name)
     try:
-        _fill_and_sync(temp, fill)
-        commit(temp, final)
+        with in_use(temp):
+            _fill_and_sync(temp, fill)
+            commit(temp, final)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
@@ -299,13 +334,20 @@ class _SharedCommit:
         self._check_tomb()  # another rank already gave this attempt up: do not write
         # The other ranks wait a little longer than rank 0, so rank 0's verdict normally lands first.
         deadline = time.monotonic() + (self.timeout if self.rank == 0 else self.timeout * 1.1 + 1.0)
-        try:
-            self.temp.mkdir(mode=0o755, exist_ok=True)
-            _fill_and_sync(self.temp, fill)
-            self._mark_done()
-        except BaseException as exc:
-            self._bury(f"rank {self.rank} failed to write its files: {type(exc).__name__}: {exc}")
-            raise
+        with contextlib.ExitStack() as lock:
+            try:
+                self.temp.mkdir(mode=0o755, exist_ok=True)
+                lock.enter_context(in_use(self.temp))
+                _fill_and_sync(self.temp, fill)
+                self._mark_done()
+            except BaseException as exc:
+                self._bury(
+                    f"rank {self.rank} failed to write its files: {type(exc).__name__}: {exc}"
+                )
+                raise
+            return self._finish(deadline, keep_last)
+
+    def _finish(self, deadline: float, keep_last: int | None) -> Path:
         if self.rank != 0:
             self._wait_for_commit(deadline)
             return self.final

@@ -1,0 +1,281 @@
+"""Soak test of the never-lose promise, run on demand (not in CI): rounds of saves, each round
+with one random fault, and a count of what went wrong.
+
+    python bench/soak.py --rounds 100 [--seed 1] [--root DIR]
+
+Each round starts a trainer process that saves a few checkpoints through a `Checkpointer` and
+meets one fault:
+
+- trainer: the trainer SIGKILLs itself right after a save() returned (its writer must finish
+  and commit every save it was handed);
+- writer: the writer is SIGKILLed mid-run (the saves it held fail and say so; later ones land);
+- both: writer and trainer are SIGKILLed (a node crash: what they held is gone, nothing torn);
+- disk-full: a save does not fit the disk (it fails with ENOSPC; earlier ones stay intact);
+- hung: the writer is stopped (SIGSTOP) mid-write (the write timeout kills it; later saves land).
+
+After each round it counts: torn visible checkpoints (a visible checkpoint that fails
+`pyshmckpt.verify` or holds other values than were saved), leaked shared-memory segments, hangs
+(a trainer or writer still alive past its bound), and lost checkpoints: a save that returned
+(staged) and was neither committed nor reported failed, while its writer lived. Goal: 0 0 0 0.
+Needs root for the small tmpfs of the disk-full rounds (skipped without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections import Counter
+from pathlib import Path
+
+FAULTS = ("trainer", "writer", "both", "disk-full", "hung")
+SAVES = 3
+TRAINER_BOUND = 90.0  # seconds a round's trainer may take
+WRITER_BOUND = 30.0  # seconds an orphaned writer may take after its trainer died
+
+TRAINER = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+
+    import torch
+
+    import pyshmckpt
+
+
+    def state(step):
+        g = torch.Generator().manual_seed(step)
+        return {"w": torch.randn(256, 1024, generator=g), "b": torch.arange(64) * step, "step": step}
+
+
+    def main():
+        root, journal_path, fault, round_no = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+        journal = open(journal_path, "a")
+
+        def note(**fields):
+            journal.write(json.dumps(fields) + "\\n")
+            journal.flush()
+
+        config = pyshmckpt.CheckpointProcessConfig(
+            write_timeout_secs=5, subprocess_shutdown_timeout_secs=2, max_restarts=10
+        )
+        checkpointer = pyshmckpt.Checkpointer(root, config=config, capacity_bytes=2 << 20)
+        note(event="writer", pid=checkpointer._process.pid)
+        futures = []
+        for i in range(3):
+            step = round_no * 10 + i
+            size = 64 << 20 if (fault == "disk-full" and i == 1) else 0
+            sd = state(step)
+            if size:
+                sd["ballast"] = torch.ones(size // 4)
+            name = f"r{round_no:04d}-s{step}"
+            try:
+                future = checkpointer.save(sd, name=name)
+            except pyshmckpt.PyshmckptError as exc:
+                note(event="refused", name=name, step=step, error=repr(exc))
+                continue
+            note(event="staged", name=name, step=step, writer=checkpointer._process.pid)
+            future.add_done_callback(
+                lambda f, name=name: note(
+                    event="done", name=name, ok=f.exception() is None,
+                    error=repr(f.exception()) if f.exception() else None,
+                )
+            )
+            futures.append(future)
+            writer = checkpointer._process.pid
+            if fault == "trainer" and i == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault == "writer" and i == 1:
+                os.kill(writer, signal.SIGKILL)
+            if fault == "both" and i == 1:
+                os.kill(writer, signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault == "hung" and i == 0:
+                time.sleep(0.02)
+                os.kill(writer, signal.SIGSTOP)
+        for future in futures:
+            with __import__("contextlib").suppress(Exception):
+                future.result(timeout=60)
+        checkpointer.close()
+        note(event="closed")
+
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+def expected_state(step: int) -> dict[str, object]:
+    import torch
+
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(256, 1024, generator=g), "b": torch.arange(64) * step, "step": step}
+
+
+def same(expected: dict[str, object], loaded: dict[str, object]) -> bool:
+    import torch
+
+    if set(loaded) - {"ballast"} != set(expected):
+        return False
+    for key, value in expected.items():
+        got = loaded[key]
+        if isinstance(value, torch.Tensor):
+            if not (isinstance(got, torch.Tensor) and torch.equal(got, value)):
+                return False
+        elif got != value:
+            return False
+    return True
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] not in ("Z", "X")
+
+
+@contextlib.contextmanager
+def small_disk(base: Path, size: str = "16m"):
+    """A tmpfs of `size` (root only); None where it cannot be mounted."""
+    mount = base / "small-disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+        capture_output=True, check=False,
+    )  # fmt: skip
+    try:
+        yield mount if done.returncode == 0 else None
+    finally:
+        if done.returncode == 0:
+            subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def run_round(round_no: int, fault: str, root: Path, prefix: str, work: Path) -> Counter[str]:
+    """One trainer with one fault; returns the counts of what went wrong (and of what happened)."""
+    import pyshmckpt
+
+    counts: Counter[str] = Counter()
+    journal = work / f"journal-{round_no}.jsonl"
+    script = work / "trainer.py"
+    env = dict(os.environ, PYSHMCKPT_SEGMENT_PREFIX=prefix)
+    trainer = subprocess.Popen(
+        [sys.executable, str(script), str(root), str(journal), fault, str(round_no)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=str(work),
+    )  # fmt: skip
+    try:
+        _, err = trainer.communicate(timeout=TRAINER_BOUND)
+    except subprocess.TimeoutExpired:
+        counts["hangs"] += 1
+        trainer.kill()
+        _, err = trainer.communicate(timeout=30)
+    if trainer.returncode not in (0, -signal.SIGKILL):
+        counts["trainer errors"] += 1
+        print(f"round {round_no} ({fault}): trainer exited {trainer.returncode}:\n{err}")
+    lines = journal.read_text().splitlines() if journal.exists() else []
+    events = [json.loads(line) for line in lines]
+    writers = {e["pid"] for e in events if e["event"] == "writer"} | {
+        e["writer"] for e in events if e["event"] == "staged"
+    }
+    deadline = time.monotonic() + WRITER_BOUND
+    while any(alive(pid) for pid in writers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in writers:
+        if alive(pid):
+            counts["hangs"] += 1
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    left = [p for p in Path("/dev/shm").iterdir() if p.name.startswith(prefix + "-")]
+    if fault == "both":
+        # A node crash: nobody is left to remove them; the next start collects them (checked
+        # after the next round, and at the end).
+        counts["left by a crash for the next start"] += len(left)
+    else:
+        counts["leaked segments"] += len(left)
+        for p in left:
+            p.unlink(missing_ok=True)
+
+    visible = {p.name for p in root.iterdir() if not p.name.startswith(".") and p.name != "latest"}
+    for name in sorted(n for n in visible if n.startswith(f"r{round_no:04d}-")):
+        step = int(name.rsplit("-s", 1)[1])
+        try:
+            pyshmckpt.verify(root / name)
+            ok = same(expected_state(step), pyshmckpt.load(root / name))
+        except pyshmckpt.PyshmckptError:
+            ok = False
+        counts["torn checkpoints" if not ok else "committed"] += 1
+    done = {e["name"]: e for e in events if e["event"] == "done"}
+    writer_killed = fault in ("writer", "both")
+    for staged in (e for e in events if e["event"] == "staged"):
+        name = staged["name"]
+        outcome = done.get(name)
+        if name in visible:
+            if outcome is not None and not outcome["ok"]:
+                counts["reported failed yet visible"] += 1
+            continue
+        if outcome is not None and not outcome["ok"]:
+            counts["failed and reported"] += 1
+        elif fault == "both" or (writer_killed and outcome is None):
+            counts["dropped with their killed writer"] += 1
+        else:
+            counts["lost checkpoints"] += 1
+            print(f"round {round_no} ({fault}): {name} was staged and is gone ({outcome})")
+    return counts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--root", type=Path, help="checkpoint root (default: a temporary dir)")
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    prefix = f"pyshmckpt-soak{os.getpid()}"
+    totals: Counter[str] = Counter()
+    per_fault: Counter[str] = Counter()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="pyshmckpt-soak-") as tmp:
+        work = Path(tmp)
+        (work / "trainer.py").write_text(TRAINER)
+        root = args.root or work / "root"
+        root.mkdir(parents=True, exist_ok=True)
+        with small_disk(work) as disk:
+            if disk is None:
+                print("no tmpfs could be mounted (not root?): disk-full rounds are skipped")
+            for round_no in range(args.rounds):
+                fault = rng.choice(FAULTS if disk is not None else FAULTS[:3] + FAULTS[4:])
+                per_fault[fault] += 1
+                round_root = disk if fault == "disk-full" else root
+                counts = run_round(round_no, fault, round_root, prefix, work)
+                totals.update(counts)
+                if fault == "disk-full" and disk is not None:  # make room for the next one
+                    for entry in disk.iterdir():
+                        subprocess.run(["rm", "-rf", str(entry)], check=False)
+                print(f"round {round_no:3d} {fault:9s} {dict(counts)}", flush=True)
+        # What the last crash left: the next start collects it (as every round's trainer did).
+        from pyshmckpt.shm import collect_stale_segments
+
+        collect_stale_segments(prefix)
+        left = [p for p in Path("/dev/shm").iterdir() if p.name.startswith(prefix + "-")]
+        totals["leaked segments"] += len(left)
+        for p in left:
+            p.unlink(missing_ok=True)
+    elapsed = time.monotonic() - started
+    goal = ("torn checkpoints", "leaked segments", "hangs", "lost checkpoints")
+    print(f"\n{args.rounds} rounds in {elapsed:.0f} s; faults: {dict(per_fault)}")
+    for key in goal:
+        print(f"{key}: {totals.get(key, 0)}")
+    print("also:", {k: v for k, v in totals.items() if k not in goal})
+    return 0 if all(totals.get(key, 0) == 0 for key in goal) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
