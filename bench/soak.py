@@ -219,7 +219,9 @@ def run_round(round_no: int, fault: str, root: Path, prefix: str, work: Path) ->
         outcome = done.get(name)
         if name in visible:
             if outcome is not None and not outcome["ok"]:
-                counts["reported failed yet visible"] += 1
+                # The writer was killed between its commit and its reply: the checkpoint is whole
+                # and visible, but the trainer could only report the death.
+                counts["committed, yet reported failed"] += 1
             continue
         if outcome is not None and not outcome["ok"]:
             counts["failed and reported"] += 1

@@ -125,3 +125,50 @@ def test_abandon_on_trainer_death_drops_the_staged_save(tmp_path):
     with pyshmckpt.Checkpointer(root) as checkpointer:  # the next run cleans what was left
         assert [p.name for p in root.iterdir()] == []
         assert checkpointer.latest() is None
+
+
+CRASHING_TRAINER = textwrap.dedent(
+    """
+    import json, sys
+
+    import torch
+
+    import pyshmckpt
+    from helpers import register_slow_writer
+
+
+    def main():
+        checkpointer = pyshmckpt.Checkpointer(sys.argv[1], writer=register_slow_writer())
+        torch.manual_seed(0)
+        checkpointer.save({"w": torch.randn(256, 64), "b": torch.arange(10) * 0, "step": 7}, name="final")
+        print(json.dumps({"writer": checkpointer._process.pid}), flush=True)
+        raise RuntimeError("training crashed")  # never closed: the exit path must do it
+
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+@pytest.mark.timeout(240)
+def test_a_trainer_that_dies_of_an_exception_still_persists_its_staged_save(tmp_path):
+    """An uncaught exception ends the trainer through the interpreter's exit: the Checkpointer's
+    finalizer finishes the pending save there, and nothing else is raised or printed."""
+    before = segments_of_session()
+    script = tmp_path / "crash.py"
+    script.write_text(CRASHING_TRAINER)
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    done = subprocess.run(
+        [sys.executable, str(script), str(root)],
+        capture_output=True, text=True, env=child_env(), cwd=str(tmp_path), timeout=180,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("Traceback") == 1, done.stderr
+    assert "RuntimeError: training crashed" in done.stderr
+    wait_for_writers([json.loads(done.stdout.splitlines()[-1])["writer"]], 30)
+    assert (root / "latest").readlink() == Path("final")
+    assert_same_tree(expected_state(0), pyshmckpt.load(root))
+    assert segments_of_session() - before == set()

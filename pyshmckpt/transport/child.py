@@ -74,6 +74,8 @@ class OrphanPolicy:
 # How long an orphaned writer waits for the rest of a request that was being sent when the
 # trainer died (another process may hold the trainer's end of the pipe open).
 _ORPHAN_IDLE_LIMIT = 10.0
+# How long the writer waits, after the channel's EOF, for its trainer's death to show.
+_EOF_GRACE = 2.0
 
 
 class _TrainerWatch:
@@ -211,7 +213,9 @@ def writer_main(
                 break
             request: Request = conn.recv()
         except (EOFError, OSError):
-            if not watch.parent_gone():
+            # A dying trainer's pipe closes before it is reparented away: give the watcher a
+            # moment to see it go before taking the EOF for a channel closed from outside.
+            if not (watch.dead.wait(_EOF_GRACE) or watch.parent_gone()):
                 return  # the trainer closed the channel: it restarts a writer if it needs one
             watch.died()
             break
