@@ -20,6 +20,12 @@ REQUIRED: list[tuple[str, str]] = [
     ("torch.UntypedStorage", "_new_shared_fd_cpu"),
     ("torch._C", "_storage_Use_Count"),
     ("torch.UntypedStorage", "_cdata"),
+    # DTensors: their local shard and spec, where a shard lies, and building one over a slot.
+    ("torch.distributed.tensor.DTensor", "_local_tensor"),
+    ("torch.distributed.tensor.DTensor", "_spec"),
+    ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
+    ("torch.distributed.tensor.placement_types", "_StridedShard"),
+    ("torch.Tensor", "_make_wrapper_subclass"),
 ]
 
 EXPERIMENTAL_PACKAGE = "torch.distributed.checkpoint._experimental"
@@ -42,6 +48,52 @@ def shared_fd_storage(fd: int, nbytes: int) -> torch.UntypedStorage:
 def storage_use_count(storage: torch.UntypedStorage) -> int:
     """How many C++ references (tensors, storage objects) hold `storage`."""
     return int(torch._C._storage_Use_Count(storage._cdata))
+
+
+def local_tensor(dtensor: Any) -> torch.Tensor:
+    """The local shard of a DTensor, the very tensor (no autograd, no copy)."""
+    return dtensor._local_tensor
+
+
+def dtensor_spec(dtensor: Any) -> Any:
+    """The DTensorSpec of a DTensor: its mesh, placements and global tensor metadata."""
+    return dtensor._spec
+
+
+def local_shape_and_global_offset(
+    global_shape: Any, mesh: Any, placements: Any
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape of this rank's shard of a DTensor and the global index of its first element."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
+
+
+def is_strided_shard(placement: Any) -> bool:
+    """Whether a DTensor placement is a strided shard (FSDP2 over tensor parallelism)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, _StridedShard)
+
+
+def dtensor_over(dtensor_type: type, local: torch.Tensor, spec: Any) -> Any:
+    """A DTensor over `local` (a view into a slot, at some storage offset) with `spec`.
+
+    Built as a wrapper whose own storage offset is 0: torch's DTensor constructor copies the
+    local tensor's offset onto the wrapper, whose data pointer is then not null, and pickling
+    such a DTensor (as DCP's process executor does) takes it for a dense tensor and crashes
+    sharing its empty storage (torch 2.13).
+    """
+    meta = spec.tensor_meta
+    out: Any = torch.Tensor._make_wrapper_subclass(
+        dtensor_type,
+        meta.shape, strides=meta.stride, storage_offset=0, dtype=local.dtype,
+        device=local.device, layout=local.layout, requires_grad=False,
+    )  # fmt: skip
+    out._spec = spec
+    out._local_tensor = local
+    return out
 
 
 def experimental(module: str, name: str) -> Any:

@@ -55,7 +55,7 @@ def _place(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-def _run_id(given: str | None, world_size: int) -> str:
+def _run_id(given: str | None, world_size: int, process_group: Any) -> str:
     """The run id every rank agrees on (see Checkpointer's run_id)."""
     if given is not None:
         if not isinstance(given, str) or not re.fullmatch(r"[A-Za-z0-9_]{1,64}", given):
@@ -70,8 +70,14 @@ def _run_id(given: str | None, world_size: int) -> str:
             "several ranks need a run id they agree on: initialize torch.distributed, or pass the "
             "same run_id=... on every rank"
         )
-    drawn = [secrets.token_hex(8) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(drawn, src=0)
+    # A gloo group of its own unless one is given: the broadcast never meets training's
+    # collectives (nor needs a GPU under NCCL).
+    group = process_group if process_group is not None else dist.new_group(backend="gloo")
+    first = dist.get_global_rank(group, 0)
+    drawn = [secrets.token_hex(8) if dist.get_rank() == first else None]
+    dist.broadcast_object_list(drawn, src=first, group=group)
+    if process_group is None:
+        dist.destroy_process_group(group)
     return str(drawn[0])
 
 
@@ -111,6 +117,13 @@ class Checkpointer:
             that every rank passes alike (letters, digits, '_'); with torch.distributed, rank 0
             draws one and broadcasts it (so every rank must construct its Checkpointer, as a
             collective call). Each save's attempt id is the run id and the save's number.
+        process_group: the group rank 0's run id is broadcast over (None: a gloo group created
+            and destroyed for it, so that it never meets training's collectives). The commit
+            itself needs no collective: ranks meet through files on the shared root.
+
+    DTensors (FSDP2, tensor parallelism) are saved as each rank's local shard plus its placement
+    (mesh shape, placements, global shape, the shard's global offsets) in the rank's manifest;
+    ``pyshmckpt.load(path, into=...)`` reshards them onto any mesh and number of ranks.
     """
 
     def __init__(
@@ -128,6 +141,7 @@ class Checkpointer:
         world_size: int | None = None,
         barrier_timeout: float = 600.0,
         run_id: str | None = None,
+        process_group: Any = None,
     ) -> None:
         self._closed = True
         if keep_last is not None and (
@@ -150,7 +164,7 @@ class Checkpointer:
         )  # fmt: skip
         if self.rank == 0 and self.root.is_dir():
             commit.clean_leftovers(self.root)  # other ranks' temporaries may be in progress
-        self._run_id = _run_id(run_id, self.world_size)
+        self._run_id = _run_id(run_id, self.world_size, process_group)
         self._attempts = itertools.count(1)
         plain_only = spec.needs_plain_leaves and not self._allow_pickle
         self._stager = ShmStager(

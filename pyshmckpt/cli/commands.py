@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from ..errors import CheckpointCorruptError
 from ..shm import stale
@@ -50,9 +51,20 @@ def _verify(args: argparse.Namespace) -> int:
 
 @_checked
 def _inspect(args: argparse.Namespace) -> int:
-    from ..storage.reader import describe
+    from ..storage.reader import describe, ranks
 
-    rows = describe(args.path, rank=args.rank)
+    if args.rank is not None:
+        _print_rows(describe(args.path, rank=args.rank))
+        return 0
+    per_rank = {rank: describe(args.path, rank=rank) for rank in ranks(args.path)}
+    if not any(row["dtensor"] is not None for rows in per_rank.values() for row in rows):
+        _print_rows(per_rank[min(per_rank)])  # nothing sharded: every rank is read alike
+        return 0
+    _print_sharded(per_rank)
+    return 0
+
+
+def _print_rows(rows: list[dict[str, Any]]) -> None:
     width = max([len(r["name"]) for r in rows] + [6])
     print(f"{'tensor':{width}s}  {'dtype':14s} {'shape':22s} {'bytes':>14s}  stored as")
     total = 0
@@ -62,7 +74,45 @@ def _inspect(args: argparse.Namespace) -> int:
             f"{r['name']:{width}s}  {r['dtype']:14s} {str(tuple(r['shape'])):22s} {r['nbytes']:14,d}  {r['entry']}"
         )
     print(f"{len(rows)} tensors, {total:,d} bytes")
-    return 0
+
+
+def _print_sharded(per_rank: dict[int, list[dict[str, Any]]]) -> None:
+    """Each tensor once: its global shape, placements, and which ranks hold which part."""
+    names: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for rank, rows in per_rank.items():
+        for row in rows:
+            names.setdefault(row["name"], []).append((rank, row))
+    total = 0
+    for name, held in names.items():
+        first = held[0][1]
+        info = first["dtensor"]
+        total += sum(row["nbytes"] for _, row in held)
+        if info is None:
+            where = "every rank" if len(held) == len(per_rank) else _rank_list(held)
+            print(f"{name}  {first['dtype']} {tuple(first['shape'])}  plain, on {where}")
+            continue
+        placements = ", ".join(_placement_text(p) for p in info.placements)
+        print(
+            f"{name}  {first['dtype']} global {info.global_shape}  mesh {info.mesh_shape} "
+            f"[{placements}]"
+        )
+        for rank, row in held:
+            part = row["dtensor"]
+            box = ", ".join(
+                f"{o}:{o + s}" for o, s in zip(part.global_offset, part.local_shape, strict=True)
+            )
+            print(f"    rank {rank}: [{box}]  {row['nbytes']:,d} bytes")
+    print(f"{len(names)} tensors on {len(per_rank)} ranks, {total:,d} bytes in all")
+
+
+def _placement_text(placement: tuple[Any, ...]) -> str:
+    kind, *args = placement
+    name = {"shard": "Shard", "replicate": "Replicate", "partial": "Partial"}.get(kind, kind)
+    return f"{name}({', '.join(str(a) for a in args)})"
+
+
+def _rank_list(held: list[tuple[int, dict[str, Any]]]) -> str:
+    return "ranks " + ", ".join(str(rank) for rank, _ in held)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -122,7 +172,12 @@ def _main(argv: list[str] | None) -> int:
         "inspect", help="list a checkpoint's tensors, dtypes, shapes and bytes"
     )
     inspect.add_argument("path", help="a checkpoint directory, or a root (its latest)")
-    inspect.add_argument("--rank", type=int, default=0)
+    inspect.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="list this rank's tensors (default: every rank's, sharded tensors with their parts)",
+    )
     inspect.set_defaults(run=_inspect)
     args = parser.parse_args(argv)
     return int(args.run(args))

@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import knobs
+from .. import _torch_private, knobs
 from ..errors import UnsupportedValueError
+from .dtensors import Sharding, dtensor_type
 from .manifest import (
     DICT,
     LEAF,
@@ -113,6 +114,8 @@ class _Walker:
         self.pickled = 0
         self.tensors: list[torch.Tensor] = []
         self.index: dict[int, int] = {}
+        self.dtensors: dict[int, Any] = {}  # tensor index -> the DTensor whose local shard it is
+        self.dtensor_type = dtensor_type()
         self.active: set[int] = set()
         self.memo: dict[int, Any] = {}
 
@@ -120,6 +123,8 @@ class _Walker:
         cls = type(obj)
         if cls is torch.Tensor or isinstance(obj, torch.Tensor):
             i = self.index.get(id(obj))
+            if i is None and cls is self.dtensor_type:
+                return self._dtensor(obj)
             if i is None:
                 problem = _tensor_problem(obj)
                 if problem is not None:
@@ -144,6 +149,22 @@ class _Walker:
             raise _Invalid(
                 obj, f"value of type {cls.__qualname__} cannot be copied: {exc}"
             ) from exc
+
+    def _dtensor(self, obj: Any) -> Any:
+        # The local shard is staged like any tensor, as a row of its own (a plain appearance of
+        # the same local tensor elsewhere gets another row; grouping by storage ties the bytes).
+        local = _torch_private.local_tensor(obj)
+        problem = _tensor_problem(local)
+        if problem is not None:
+            problem = f"the local shard of a DTensor: {problem}"
+            if self.pickle_unsupported:
+                return self._pickled(obj, problem)
+            raise _Invalid(obj, problem)
+        i = len(self.tensors)
+        self.index[id(obj)] = i
+        self.tensors.append(local)
+        self.dtensors[i] = obj
+        return i
 
     def _pickled(self, obj: torch.Tensor, problem: str) -> tuple[Any, ...]:
         try:
@@ -361,6 +382,7 @@ def plan(state_dict: Any, *, pickle_unsupported: bool = False) -> StagingPlan:
         flags=flags,
         blocks=np.stack([block_offset, block_bytes], axis=1) if m else np.empty((0, 2), np.int64),
         size=size,
+        sharding=Sharding.of(walker.dtensors) if walker.dtensors else None,
     )
     return StagingPlan(
         manifest=manifest, host=host, device=devices, gathers=gathers, sources=tensors

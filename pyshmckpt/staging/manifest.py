@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigTypeError, ManifestIndexError
+from .dtensors import Sharding
 
 # Node kinds of the structure tree. A tensor is a bare int (its index: ints are not tracked by the
 # garbage collector, which matters with thousands of tensors); any other node is a tuple whose
@@ -133,6 +134,8 @@ class Manifest:
     flags: np.ndarray  # (n,) uint8, PARAMETER | REQUIRES_GRAD
     blocks: np.ndarray  # (m, 2) int64: offset, nbytes of each staged storage block
     size: int  # bytes of the slot in use (end of the last block)
+    # Tensors that are DTensors' local shards, with their placements (None: no DTensor).
+    sharding: Sharding | None = None
 
     def __len__(self) -> int:
         return len(self.offset)
@@ -151,6 +154,8 @@ class Manifest:
             self.flags, self.blocks,
         ):  # fmt: skip
             h.update(np.ascontiguousarray(column).tobytes())
+        if self.sharding is not None:
+            h.update(self.sharding.digest())
         return h.digest()
 
     def paths(self) -> list[tuple[Any, ...]]:
@@ -283,6 +288,8 @@ def make_tensors(
                     out[i] = torch.nn.Parameter(out[i], requires_grad=bool(flag & REQUIRES_GRAD))
                 else:
                     out[i].requires_grad_(True)
+    if manifest.sharding is not None:
+        manifest.sharding.wrap(out)
     return out
 
 

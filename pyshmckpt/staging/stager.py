@@ -30,6 +30,7 @@ from ..errors import (
 from ..shm import Arena, Slot, SlotAddress, SlotState
 from ..shm.native import set_copy_threads
 from . import layout
+from .dtensors import dtensor_type
 from .manifest import Manifest, contiguous_stride, first_tensor_steps, rebuild
 
 logger = logging.getLogger(__name__)
@@ -495,10 +496,11 @@ def _views_slot(staged: Any, slot: Slot) -> bool:
             node = node[step]
     except (KeyError, IndexError, TypeError):
         return False
-    return (
-        isinstance(node, torch.Tensor)
-        and node.untyped_storage().data_ptr() == slot.storage.data_ptr()
-    )
+    if not isinstance(node, torch.Tensor):
+        return False
+    if type(node) is dtensor_type():
+        node = _torch_private.local_tensor(node)
+    return node.untyped_storage().data_ptr() == slot.storage.data_ptr()
 
 
 def lease_staged(staged: Any) -> StagedHandle | None:

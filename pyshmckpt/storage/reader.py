@@ -23,7 +23,8 @@ from ..errors import (
 )
 from ..shm.native import copy_threads, crc32c
 from ..staging import manifest as layout
-from . import commit, tree_codec
+from ..staging.dtensors import ShardInfo
+from . import commit, resharding, tree_codec
 from .safetensors_header import parse_header
 from .safetensors_writer import FORMAT, file_names
 
@@ -65,9 +66,19 @@ def load(
     the values are copied into its tensors in place (any device) and `into` is returned.
     `verify` checks every CRC32C. Pickled values are only loaded with allow_pickle=True.
     Anything wrong with the files raises CheckpointCorruptError naming the file and tensor.
+
+    Sharded checkpoints (DTensors saved on several ranks): without `into`, the tensors of rank
+    `rank`'s file are its local shards, as plain tensors. With `into`, each DTensor of the target
+    (any mesh, any number of ranks) gets its local shard filled from whichever saved shards
+    overlap it, and a plain tensor the whole global tensor; only those bytes are read, and the
+    checksums of the file entries read are verified. Plain tensors and the structure come from
+    rank `rank`'s file.
     """
     json_path, st_path, described, header, mapped = _open(path, rank)
     directory = json_path.parent
+    if into is not None and (_sharded(described) or resharding.holds_dtensors(into)):
+        _reshard_into(directory, into, rank, verify=verify, allow_pickle=allow_pickle)
+        return into
     view = memoryview(mapped)
     if verify:
         _verify(st_path, view, header, described.get("entries"))
@@ -87,16 +98,61 @@ def load(
     return state
 
 
-def _verify(st_path: Path, view: memoryview, header: Any, recorded: Any) -> None:
+def _sharded(described: dict[str, Any]) -> bool:
+    rows = described.get("tensors")
+    return isinstance(rows, list) and any(
+        isinstance(row, dict) and row.get("dtensor") is not None for row in rows
+    )
+
+
+def _rank_file(directory: Path, rank: int, allow_pickle: bool) -> resharding.RankFile:
+    json_path, st_path, described, header, mapped = _open(directory, rank)
+    view = memoryview(mapped)
+    tensors = _tensors(st_path, view, header, described.get("tensors"))
+    try:
+        state = tree_codec.decode(
+            described.get("tree"), tensors, allow_pickle=allow_pickle, where=str(json_path)
+        )
+    except PickleNotAllowedError as exc:
+        raise CheckpointCorruptError(str(json_path), str(exc)) from None
+
+    def verify_entries(names: set[str]) -> None:
+        _verify(st_path, view, header, described.get("entries"), only=names)
+
+    return resharding.RankFile(rank, st_path, described, tensors, state, verify_entries)
+
+
+def _reshard_into(
+    directory: Path, into: Any, rank: int, *, verify: bool, allow_pickle: bool
+) -> None:
+    """Fill `into` (DTensors on any mesh, or plain tensors) from every rank's shards."""
+    saved = ranks(directory)
+    if rank not in saved:
+        raise CheckpointCorruptError(
+            str(directory), f"rank {rank} is not among the checkpoint's ranks {saved}"
+        )
+    files = [_rank_file(directory, r, allow_pickle) for r in saved]
+    resharding.fill(into, files, saved.index(rank), verify, str(directory))
+    logger.debug("resharded %s (%d ranks) into the target state dict", directory, len(saved))
+
+
+def _verify(
+    st_path: Path, view: memoryview, header: Any, recorded: Any, only: set[str] | None = None
+) -> None:
+    """Check the CRC32C of every entry of the file (of the entries in `only`, when given)."""
     if not isinstance(recorded, dict):
         raise CheckpointCorruptError(str(st_path), "the manifest records no checksums")
     jobs = []
     for name, entry in header.entries.items():
+        if only is not None and name not in only:
+            continue
         crc = recorded.get(name, {}).get("crc32c") if isinstance(recorded.get(name), dict) else None
         if type(crc) is not int:
             raise CheckpointCorruptError(str(st_path), "no checksum recorded", tensor=name)
         jobs.append((name, header.data_start + entry.begin, header.data_start + entry.end, crc))
     missing = set(recorded) - set(header.entries)
+    if only is not None:
+        missing &= only
     if missing:
         raise CheckpointCorruptError(
             str(st_path), "entry missing from the file", tensor=sorted(missing)[0]
@@ -274,7 +330,7 @@ def _open(
     try:
         described = json.loads(json_path.read_text())
     except FileNotFoundError:
-        raise CheckpointCorruptError(str(json_path), "missing") from None
+        raise CheckpointCorruptError(str(json_path), f"rank {rank}'s manifest is missing") from None
     except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointCorruptError(str(json_path), f"unreadable manifest: {exc}") from None
     if not isinstance(described, dict) or described.get("format") != FORMAT:
@@ -282,7 +338,7 @@ def _open(
     try:
         f = st_path.open("rb")
     except FileNotFoundError:
-        raise CheckpointCorruptError(str(st_path), "missing") from None
+        raise CheckpointCorruptError(str(st_path), f"rank {rank}'s data file is missing") from None
     except OSError as exc:
         raise from_os_error(exc, f"cannot open {st_path}") from exc
     with f:
@@ -337,7 +393,8 @@ def verify(path: str | os.PathLike[str], rank: int = 0) -> int:
 
 
 def describe(path: str | os.PathLike[str], rank: int = 0) -> list[dict[str, Any]]:
-    """One row per tensor: name, dtype, shape, bytes and the file entry holding it."""
+    """One row per tensor: name, dtype, shape, bytes, the file entry holding it, and for a
+    DTensor's local shard its `ShardInfo` (else None)."""
     _, st_path, described, header, mapped = _open(path, rank)
     view = memoryview(mapped)
     _tensors(st_path, view, header, described.get("tensors"))  # validates every description
@@ -348,6 +405,9 @@ def describe(path: str | os.PathLike[str], rank: int = 0) -> list[dict[str, Any]
             "shape": t["shape"],
             "nbytes": int(t.get("nbytes", 0)),
             "entry": t["entry"],
+            "dtensor": None
+            if t.get("dtensor") is None
+            else ShardInfo.from_json(t["dtensor"], str(st_path), t.get("name")),
         }
         for t in described["tensors"]
     ]

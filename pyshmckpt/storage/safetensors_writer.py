@@ -159,6 +159,9 @@ def plan_file(manifest: Manifest, *, mirror_slot: bool = False) -> FilePlan:
                 "name": tensor_name(paths[i]),
             }
         )
+    if manifest.sharding is not None:  # DTensors' local shards: where they lie globally
+        for i, info in manifest.sharding.infos.items():
+            tensors[i]["dtensor"] = info.to_json()
     return FilePlan(entries, sources, tensors)
 
 

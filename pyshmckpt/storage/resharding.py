@@ -1,0 +1,238 @@
+"""Loading a checkpoint into a state dict sharded differently from the one that was saved.
+
+Each rank's file holds its local shards, and its manifest records where each lies in the global
+tensor (`ShardInfo`). A target tensor (a DTensor's local shard on this rank, or a plain tensor:
+the whole global tensor) is filled from every saved shard whose box overlaps its own: only those
+bytes are read (the files are mapped), and the checksum of every file entry read from is
+verified. Replicated copies of one box are read once. Plain tensors and the structure come from
+one rank's file, as `load` reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import _torch_private
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointKeyError,
+    CheckpointMismatchError,
+    NotSupportedError,
+)
+from ..staging.dtensors import ShardInfo, dtensor_type, placement_data
+
+logger = logging.getLogger(__name__)
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape) in the global tensor
+
+
+class RankFile:
+    """One rank's files, opened: its decoded state, its tensors' placements, verified entries."""
+
+    def __init__(
+        self,
+        rank: int,
+        st_path: Path,
+        described: dict[str, Any],
+        tensors: list[torch.Tensor],
+        state: Any,
+        verify_entries: Any,
+    ) -> None:
+        self.rank = rank
+        self.st_path = st_path
+        self.state = state
+        self._verify_entries = verify_entries  # callable(set of entry names)
+        self._verified: set[str] = set()
+        rows = described.get("tensors") or []
+        self._index = {id(t): i for i, t in enumerate(tensors)}
+        self._entry = [row.get("entry") for row in rows]
+        self._names = [row.get("name") for row in rows]
+        self._infos: dict[int, ShardInfo] = {}
+        for i, row in enumerate(rows):
+            if row.get("dtensor") is not None:
+                self._infos[i] = ShardInfo.from_json(row["dtensor"], str(st_path), row.get("name"))
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self._infos)
+
+    def info(self, tensor: torch.Tensor) -> ShardInfo | None:
+        i = self._index.get(id(tensor))
+        return None if i is None else self._infos.get(i)
+
+    def verify(self, tensor: torch.Tensor) -> None:
+        """Verify the checksum of the file entry holding `tensor` (once per entry)."""
+        i = self._index.get(id(tensor))
+        entry = None if i is None else self._entry[i]
+        if entry is None or entry in self._verified:
+            return
+        self._verify_entries({entry})
+        self._verified.add(entry)
+
+
+def holds_dtensors(obj: Any) -> bool:
+    """Whether a (nested) state dict holds any DTensor."""
+    dtensor = dtensor_type()
+    if dtensor is None:
+        return False
+    stack = [obj]
+    while stack:
+        node = stack.pop()
+        if type(node) is dtensor:
+            return True
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return False
+
+
+def fill(target: Any, files: list[RankFile], primary: int, verify: bool, where: str) -> None:
+    """Copy the checkpoint (`files`: every saved rank) into `target`, resharding as needed."""
+    _fill(target, [f.state for f in files], files, primary, verify, where, "state_dict")
+
+
+def _fill(
+    target: Any,
+    sources: list[Any],
+    files: list[RankFile],
+    primary: int,
+    verify: bool,
+    where: str,
+    path: str,
+) -> None:
+    source = sources[primary]
+    if isinstance(target, torch.Tensor):
+        _fill_tensor(target, sources, files, primary, verify, path)
+        return
+    if isinstance(target, dict):
+        if not isinstance(source, dict):
+            raise CheckpointMismatchError(
+                f"{path}: the checkpoint of {where} holds {type(source).__name__}, not a dict"
+            )
+        for key, value in target.items():
+            if key not in source:
+                raise CheckpointKeyError(f"{path}[{key!r}] is not in the checkpoint {where}")
+            below = [s.get(key) if isinstance(s, dict) else None for s in sources]
+            _fill(value, below, files, primary, verify, where, f"{path}[{key!r}]")
+        return
+    if isinstance(target, (list, tuple)) and isinstance(source, (list, tuple)):
+        if len(target) != len(source):
+            raise CheckpointMismatchError(
+                f"{path}: length {len(source)} in the checkpoint, {len(target)} in the target"
+            )
+        for i, value in enumerate(target):
+            below = [
+                s[i] if isinstance(s, (list, tuple)) and len(s) == len(source) else None
+                for s in sources
+            ]
+            _fill(value, below, files, primary, verify, where, f"{path}[{i}]")
+
+
+def _fill_tensor(
+    target: torch.Tensor,
+    sources: list[Any],
+    files: list[RankFile],
+    primary: int,
+    verify: bool,
+    path: str,
+) -> None:
+    source = sources[primary]
+    if not isinstance(source, torch.Tensor):
+        raise CheckpointMismatchError(
+            f"{path}: the checkpoint holds {type(source).__name__}, the target a tensor"
+        )
+    is_dtensor = type(target) is dtensor_type()
+    if not is_dtensor and files[primary].info(source) is None:
+        # A plain tensor saved plain: from the primary rank's file, as load() reads it.
+        if target.shape != source.shape:
+            raise CheckpointMismatchError(
+                f"{path}: the checkpoint holds a tensor of shape {tuple(source.shape)}, "
+                f"the target {tuple(target.shape)}"
+            )
+        if verify:
+            files[primary].verify(source)
+        with torch.no_grad():
+            target.copy_(source)
+        return
+    global_shape = tuple(target.shape)
+    local, box = _target_box(target, path) if is_dtensor else (target, _whole(global_shape))
+    wanted = math.prod(box[1])
+    covered = 0
+    seen: set[Box] = set()
+    for file, piece in zip(files, sources, strict=True):
+        if not isinstance(piece, torch.Tensor):
+            continue
+        info = file.info(piece)
+        if info is None:
+            if tuple(piece.shape) != global_shape:
+                raise CheckpointMismatchError(
+                    f"{path}: rank {file.rank} saved a tensor of shape {tuple(piece.shape)}, "
+                    f"the target's global shape is {global_shape}"
+                )
+            piece_box = _whole(global_shape)
+        else:
+            if info.global_shape != global_shape:
+                raise CheckpointMismatchError(
+                    f"{path}: the checkpoint holds a tensor of global shape {info.global_shape}, "
+                    f"the target {global_shape}"
+                )
+            if not info.is_box:
+                raise NotSupportedError(
+                    f"{path}: rank {file.rank} saved it with placements {info.placements}; "
+                    "only Shard and Replicate placements can be resharded"
+                )
+            if tuple(piece.shape) != info.local_shape:
+                raise CheckpointCorruptError(
+                    str(file.st_path), "local shard shape differs from its placement", tensor=path
+                )
+            piece_box = (info.global_offset, info.local_shape)
+        if piece_box in seen:
+            continue  # a replica of a box already read
+        seen.add(piece_box)
+        overlap = _intersect(box, piece_box)
+        if overlap is None:
+            continue
+        if verify:
+            file.verify(piece)
+        lo, hi = overlap
+        into = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box[0], strict=True))
+        out_of = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, piece_box[0], strict=True))
+        with torch.no_grad():
+            local[into].copy_(piece[out_of])
+        covered += math.prod(b - a for a, b in zip(lo, hi, strict=True))
+    if covered != wanted:
+        raise CheckpointMismatchError(
+            f"{path}: the checkpoint's shards cover {covered} of the {wanted} elements this rank "
+            "needs (overlapping or missing shards)"
+        )
+
+
+def _target_box(target: Any, path: str) -> tuple[torch.Tensor, Box]:
+    placements = tuple(placement_data(p) for p in target.placements)
+    if not all(p[0] in ("shard", "replicate") for p in placements):
+        raise NotSupportedError(
+            f"{path}: the target has placements {placements}; only Shard and Replicate "
+            "targets can be filled from a checkpoint"
+        )
+    shape, offset = _torch_private.local_shape_and_global_offset(
+        target.shape, target.device_mesh, target.placements
+    )
+    return _torch_private.local_tensor(target), (offset, shape)
+
+
+def _whole(shape: tuple[int, ...]) -> Box:
+    return (0,) * len(shape), shape
+
+
+def _intersect(a: Box, b: Box) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    lo = tuple(max(x, y) for x, y in zip(a[0], b[0], strict=True))
+    hi = tuple(min(x + s, y + t) for x, s, y, t in zip(a[0], a[1], b[0], b[1], strict=True))
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        return None
+    return lo, hi
