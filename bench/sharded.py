@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing.resource_sharer as resource_sharer
+import shutil
 import statistics
 import tempfile
 import time
@@ -77,7 +78,6 @@ class Ways:
         # What dcp.async_save stages with when given no stager (torch 2.13).
         self.default_stager = DefaultStager(StagingOptions(False, False, False, False))
         self.shm_stager = pyshmckpt.ShmStager()
-        (root / "checkpointer").mkdir()
         self.checkpointer = pyshmckpt.Checkpointer(root / "checkpointer", process_group=group)
 
     def save(self, way: str, state: dict[str, Any], step: int) -> tuple[float, float]:
@@ -131,14 +131,14 @@ def main() -> None:
         + [v for s in optim_sd["state"].values() for v in s.values()]
     )
     tensors = len(model_sd) + sum(len(s) for s in optim_sd["state"].values())
-    with tempfile.TemporaryDirectory(prefix="pyshmckpt-sharded-") as tmp:
-        root = Path(tmp)
-        if dist.get_rank() == 0:
-            root_list = [str(root)]
-        else:
-            root_list = [None]
-        dist.broadcast_object_list(root_list, src=0, group=group)
-        root = Path(str(root_list[0]))
+    # Rank 0 makes the root (a local directory: every rank runs on this host) and removes it.
+    made = [tempfile.mkdtemp(prefix="pyshmckpt-sharded-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(made, src=0, group=group)
+    root = Path(str(made[0]))
+    if dist.get_rank() == 0:
+        (root / "checkpointer").mkdir()
+    dist.barrier(group)
+    try:
         ways = Ways(root, group)
         results: dict[str, list[tuple[float, float]]] = {w: [] for w in WAYS}
         step = 0
@@ -161,6 +161,9 @@ def main() -> None:
         del theirs
         ways.close()
         dist.barrier(group)
+    finally:
+        if dist.get_rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
     if dist.get_rank() == 0:
         world = dist.get_world_size()
         print(
