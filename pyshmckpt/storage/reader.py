@@ -16,8 +16,6 @@ import torch
 
 from ..errors import (
     CheckpointCorruptError,
-    CheckpointKeyError,
-    CheckpointMismatchError,
     PickleNotAllowedError,
     from_os_error,
 )
@@ -74,25 +72,17 @@ def load(
     checksums of the file entries read are verified. Plain tensors and the structure come from
     rank `rank`'s file.
     """
-    json_path, st_path, described, header, mapped = _open(path, rank)
-    directory = json_path.parent
-    if into is not None and (_sharded(described) or resharding.holds_dtensors(into)):
+    opened = _open(path, rank)
+    directory = opened[0].parent
+    if into is not None and (_sharded(opened[2]) or resharding.holds_dtensors(into)):
         _reshard_into(directory, into, rank, verify=verify, allow_pickle=allow_pickle)
         return into
-    view = memoryview(mapped)
-    if verify:
-        _verify(st_path, view, header, described.get("entries"))
-    tensors = _tensors(st_path, view, header, described.get("tensors"))
-    try:
-        state = tree_codec.decode(
-            described.get("tree"), tensors, allow_pickle=allow_pickle, where=str(json_path)
-        )
-    except PickleNotAllowedError as exc:
-        raise CheckpointCorruptError(str(json_path), str(exc)) from None
-    logger.debug("loaded %s (rank %d, %d tensors)", directory, rank, len(tensors))
+    file = _rank_file(opened, rank, allow_pickle, verify_all=verify)
+    logger.debug("loaded %s (rank %d)", directory, rank)
     if into is not None:
-        _copy_into(into, state, str(directory))
+        resharding.fill(into, [file], 0, verify=False, where=str(directory))
         return into
+    state = file.state
     if map_location is not None and torch.device(map_location).type != "cpu":
         state = _move(state, torch.device(map_location))
     return state
@@ -105,9 +95,19 @@ def _sharded(described: dict[str, Any]) -> bool:
     )
 
 
-def _rank_file(directory: Path, rank: int, allow_pickle: bool) -> resharding.RankFile:
-    json_path, st_path, described, header, mapped = _open(directory, rank)
+def _rank_file(
+    opened: tuple[Path, Path, dict[str, Any], Any, mmap.mmap],
+    rank: int,
+    allow_pickle: bool,
+    *,
+    verify_all: bool = False,
+) -> resharding.RankFile:
+    """A rank's opened files with their tensors (file maps) and decoded structure; with
+    verify_all, every checksum is checked first."""
+    json_path, st_path, described, header, mapped = opened
     view = memoryview(mapped)
+    if verify_all:
+        _verify(st_path, view, header, described.get("entries"))
     tensors = _tensors(st_path, view, header, described.get("tensors"))
     try:
         state = tree_codec.decode(
@@ -131,7 +131,7 @@ def _reshard_into(
         raise CheckpointCorruptError(
             str(directory), f"rank {rank} is not among the checkpoint's ranks {saved}"
         )
-    files = [_rank_file(directory, r, allow_pickle) for r in saved]
+    files = [_rank_file(_open(directory, r), r, allow_pickle) for r in saved]
     resharding.fill(into, files, saved.index(rank), verify, str(directory))
     logger.debug("resharded %s (%d ranks) into the target state dict", directory, len(saved))
 
@@ -290,35 +290,6 @@ def _move(state: Any, device: torch.device) -> Any:
         return node
 
     return visit(state)
-
-
-def _copy_into(target: Any, source: Any, where: str, path: str = "state_dict") -> None:
-    if isinstance(target, torch.Tensor):
-        if not isinstance(source, torch.Tensor) or target.shape != source.shape:
-            raise CheckpointMismatchError(
-                f"{path}: the checkpoint holds {type(source).__name__} "
-                f"{getattr(source, 'shape', '')}, the target {tuple(target.shape)}"
-            )
-        with torch.no_grad():
-            target.copy_(source)
-        return
-    if isinstance(target, dict):
-        if not isinstance(source, dict):
-            raise CheckpointMismatchError(
-                f"{path}: the checkpoint of {where} holds {type(source).__name__}, not a dict"
-            )
-        for key, value in target.items():
-            if key not in source:
-                raise CheckpointKeyError(f"{path}[{key!r}] is not in the checkpoint {where}")
-            _copy_into(value, source[key], where, f"{path}[{key!r}]")
-        return
-    if isinstance(target, (list, tuple)) and isinstance(source, (list, tuple)):
-        if len(target) != len(source):
-            raise CheckpointMismatchError(
-                f"{path}: length {len(source)} in the checkpoint, {len(target)} in the target"
-            )
-        for i, (a, b) in enumerate(zip(target, source, strict=True)):
-            _copy_into(a, b, where, f"{path}[{i}]")
 
 
 def _open(
