@@ -178,6 +178,26 @@ def test_bad_flags_exit_2_with_a_message(tmp_path, flags, message):
     assert result.stdout == ""
 
 
+# The demo as a terminal's foreground job runs it: with Ctrl-C's default action. A job started in
+# the background by a non-interactive shell (`bash .ci/run &`) inherits SIGINT ignored, and a
+# program started so keeps ignoring it (as it should); the same process then execs the demo.
+FOREGROUND = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, '-m', 'pyshmckpt', 'demo', *sys.argv[1:]])"
+)
+
+
+def _stacks(pid: int) -> str:
+    """What each thread of `pid` is waiting in (the kernel's view), for a report."""
+    out = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        with contextlib.suppress(OSError):
+            name = (task / "comm").read_text().strip()
+            wchan = (task / "wchan").read_text().strip()
+            out.append(f"  {task.name} {name}: {wchan}")
+    return "\n".join(out)
+
+
 def _lines(stream, into: queue.Queue[str | None]) -> None:
     for line in stream:
         into.put(line)
@@ -198,8 +218,9 @@ def _lines(stream, into: queue.Queue[str | None]) -> None:
 def test_sigint_to_the_process_group_stops_everything(tmp_path, flags, delay):
     before = session_segments()
     demo_process = subprocess.Popen(
-        [sys.executable, "-m", "pyshmckpt", "demo", *flags],
-        cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-c", FOREGROUND, *flags],
+        cwd=tmp_path, env={**child_env(), "PYTHONFAULTHANDLER": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,  # its own process group, as a terminal's foreground job
     )  # fmt: skip
     pgid = demo_process.pid
@@ -231,7 +252,22 @@ def test_sigint_to_the_process_group_stops_everything(tmp_path, flags, delay):
         time.sleep(delay)
         os.killpg(pgid, signal.SIGINT)  # what Ctrl-C in a terminal does
         started = time.monotonic()
-        status = demo_process.wait(timeout=EXIT_TIMEOUT)
+        try:
+            status = demo_process.wait(timeout=EXIT_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            stacks = _stacks(demo_process.pid)
+            os.kill(demo_process.pid, signal.SIGABRT)  # faulthandler prints every thread's stack
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                demo_process.wait(timeout=5)
+            os.killpg(pgid, signal.SIGKILL)
+            demo_process.wait(timeout=EXIT_TIMEOUT)
+            for reader in readers:
+                reader.join(timeout=EXIT_TIMEOUT)
+            stderr = "".join(iter(errors.get_nowait, None))
+            pytest.fail(
+                f"the demo did not exit within {EXIT_TIMEOUT}s of SIGINT\nstdout:\n"
+                f"{''.join(seen)}\nstderr:\n{stderr}\nits threads then:\n{stacks}"
+            )
         for reader in readers:
             reader.join(timeout=EXIT_TIMEOUT)
         stderr = "".join(iter(errors.get_nowait, None))
