@@ -27,6 +27,8 @@ REQUIRED: list[tuple[str, str]] = [
     ("torch.distributed.tensor.placement_types", "_StridedShard"),
     ("torch.Tensor", "_make_wrapper_subclass"),
 ]
+# Set, not read: torch's mark of a tensor subclass instance that is an nn.Parameter.
+PARAMETER_MARK = "_is_param"
 
 EXPERIMENTAL_PACKAGE = "torch.distributed.checkpoint._experimental"
 #: module of EXPERIMENTAL_PACKAGE -> the names used from it.
@@ -94,6 +96,12 @@ def dtensor_over(dtensor_type: type, local: torch.Tensor, spec: Any) -> Any:
     out._spec = spec
     out._local_tensor = local
     return out
+
+
+def mark_parameter(tensor: torch.Tensor) -> None:
+    """Make `tensor` (a tensor subclass instance) an nn.Parameter in place, as nn.Parameter
+    does for subclasses, without nn.Parameter's detach."""
+    setattr(tensor, PARAMETER_MARK, True)
 
 
 def experimental(module: str, name: str) -> Any:

@@ -73,6 +73,15 @@ def _run_id(given: str | None, world_size: int, process_group: Any) -> str:
     # A gloo group of its own unless one is given: the broadcast never meets training's
     # collectives (nor needs a GPU under NCCL).
     group = process_group if process_group is not None else dist.new_group(backend="gloo")
+    try:
+        size, member = dist.get_world_size(group), dist.get_rank(group) >= 0
+    except (RuntimeError, ValueError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"process_group is not a usable process group: {exc}") from None
+    if size != world_size or not member:
+        raise ConfigError(
+            f"process_group must hold every rank that saves ({world_size}), not {size}"
+            + ("" if member else ", and this rank is not in it")
+        )
     first = dist.get_global_rank(group, 0)
     drawn = [secrets.token_hex(8) if dist.get_rank() == first else None]
     dist.broadcast_object_list(drawn, src=first, group=group)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .. import _torch_private
-from ..errors import CheckpointCorruptError, NotSupportedError
+from ..errors import CheckpointCorruptError, NotSupportedError, UnsupportedValueError
 
 # ("shard", dim) | ("replicate",) | ("partial", reduce_op) | ("strided_shard", dim, split_factor)
 PlacementData = tuple[Any, ...]
@@ -86,7 +86,7 @@ class ShardInfo:
                 if data["mesh_dim_names"] is None
                 else tuple(str(n) for n in data["mesh_dim_names"]),
                 coordinate=None if data["coordinate"] is None else _ints(data["coordinate"]),
-                placements=tuple(tuple(p) for p in data["placements"]),
+                placements=tuple(_placement(p) for p in data["placements"]),
             )
         except (KeyError, TypeError, ValueError, _Malformed) as exc:
             raise CheckpointCorruptError(
@@ -116,6 +116,12 @@ def _ints(values: Any) -> tuple[int, ...]:
     return tuple(values)
 
 
+def _placement(value: Any) -> PlacementData:
+    if not isinstance(value, list) or not value or not isinstance(value[0], str):
+        raise _Malformed(f"a placement must be a list starting with its kind, not {value!r:.80}")
+    return tuple(value)
+
+
 class _Malformed(Exception):
     """Raised inside ShardInfo.from_json; reported as CheckpointCorruptError."""
 
@@ -141,6 +147,15 @@ def shard_info(dtensor: Any) -> ShardInfo:
         dtensor.shape, mesh, spec.placements
     )
     coordinate = mesh.get_coordinate()
+    local = _torch_private.local_tensor(dtensor)
+    if coordinate is None or len(offset) != dtensor.dim() or tuple(local.shape) != local_shape:
+        # Not part of the mesh, or a local tensor that is not the shard its placements describe
+        # (DTensor.from_local with a custom uneven split): no box to record.
+        raise UnsupportedValueError(
+            "a DTensor",
+            f"its local tensor of shape {tuple(local.shape)} is not the shard {local_shape} "
+            f"its placements give this rank (coordinate {coordinate})",
+        )
     return ShardInfo(
         global_shape=tuple(dtensor.shape),
         global_stride=tuple(dtensor.stride()),
@@ -162,30 +177,39 @@ class Sharding:
     pickle (the device mesh once) that is only unpickled where DTensors are rebuilt.
     """
 
-    __slots__ = ("infos", "_specs", "_pickled")
+    __slots__ = ("infos", "_specs", "_pickled", "_meshes")
 
     def __init__(
         self,
         infos: dict[int, ShardInfo],
         specs: dict[int, Any] | None = None,
         pickled: bytes | None = None,
+        meshes: bytes = b"",
     ) -> None:
         self.infos = infos
         self._specs = specs
         self._pickled = pickled
+        self._meshes = meshes  # what the infos leave out of the specs: ranks, device, order
 
     @classmethod
-    def of(cls, dtensors: dict[int, Any]) -> Sharding:
-        return cls(
-            {i: shard_info(d) for i, d in dtensors.items()},
-            {i: _torch_private.dtensor_spec(d) for i, d in dtensors.items()},
-        )
+    def of(cls, dtensors: dict[int, tuple[Any, ShardInfo]]) -> Sharding:
+        """From tensor index -> (DTensor, its shard_info)."""
+        specs = {i: _torch_private.dtensor_spec(d) for i, (d, _) in dtensors.items()}
+        meshes = repr(
+            sorted(
+                (i, s.mesh.device_type, s.mesh.mesh.tolist(), repr(getattr(s, "shard_order", None)))
+                for i, s in specs.items()
+            )
+        ).encode()
+        return cls({i: info for i, (_, info) in dtensors.items()}, specs, None, meshes)
 
     def __len__(self) -> int:
         return len(self.infos)
 
     def digest(self) -> bytes:
-        return hashlib.blake2b(repr(sorted(self.infos.items())).encode(), digest_size=16).digest()
+        h = hashlib.blake2b(repr(sorted(self.infos.items())).encode(), digest_size=16)
+        h.update(self._meshes)
+        return h.digest()
 
     def specs(self) -> dict[int, Any]:
         if self._specs is None:
@@ -201,14 +225,16 @@ class Sharding:
         for i, info in self.infos.items():
             with torch.no_grad():
                 dt = _torch_private.dtensor_over(dtype, tensors[i], specs[i])
-            if info.parameter:
-                dt = torch.nn.Parameter(dt, requires_grad=info.requires_grad)
-            elif info.requires_grad:
+            # Not nn.Parameter(dt): that detaches through DTensor's own constructor, which puts
+            # the slot offset back on the wrapper (see dtensor_over).
+            if info.requires_grad:
                 dt.requires_grad_(True)
+            if info.parameter:
+                _torch_private.mark_parameter(dt)
             tensors[i] = dt
 
     def __reduce__(self) -> tuple[Any, ...]:
         pickled = self._pickled
         if pickled is None:
             pickled = pickle.dumps(self._specs, protocol=pickle.HIGHEST_PROTOCOL)
-        return Sharding, (self.infos, None, pickled)
+        return Sharding, (self.infos, None, pickled, self._meshes)

@@ -21,7 +21,7 @@ import torch
 
 from .. import _torch_private, knobs
 from ..errors import UnsupportedValueError
-from .dtensors import Sharding, dtensor_type
+from .dtensors import Sharding, dtensor_type, shard_info
 from .manifest import (
     DICT,
     LEAF,
@@ -114,7 +114,8 @@ class _Walker:
         self.pickled = 0
         self.tensors: list[torch.Tensor] = []
         self.index: dict[int, int] = {}
-        self.dtensors: dict[int, Any] = {}  # tensor index -> the DTensor whose local shard it is
+        # tensor index -> (the DTensor whose local shard it is, its ShardInfo)
+        self.dtensors: dict[int, tuple[Any, Any]] = {}
         self.dtensor_type = dtensor_type()
         self.active: set[int] = set()
         self.memo: dict[int, Any] = {}
@@ -160,10 +161,14 @@ class _Walker:
             if self.pickle_unsupported:
                 return self._pickled(obj, problem)
             raise _Invalid(obj, problem)
+        try:
+            info = shard_info(obj)
+        except UnsupportedValueError as exc:
+            raise _Invalid(obj, exc.reason) from None
         i = len(self.tensors)
         self.index[id(obj)] = i
         self.tensors.append(local)
-        self.dtensors[i] = obj
+        self.dtensors[i] = (obj, info)
         return i
 
     def _pickled(self, obj: torch.Tensor, problem: str) -> tuple[Any, ...]:

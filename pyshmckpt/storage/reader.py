@@ -68,9 +68,13 @@ def load(
     Sharded checkpoints (DTensors saved on several ranks): without `into`, the tensors of rank
     `rank`'s file are its local shards, as plain tensors. With `into`, each DTensor of the target
     (any mesh, any number of ranks) gets its local shard filled from whichever saved shards
-    overlap it, and a plain tensor the whole global tensor; only those bytes are read, and the
-    checksums of the file entries read are verified. Plain tensors and the structure come from
-    rank `rank`'s file.
+    overlap it, and a plain tensor the whole global tensor; only the file entries holding those
+    bytes are read, and their checksums verified. Plain tensors and other leaves come from rank
+    `rank`'s file.
+
+    With `into`, the target keeps its structure: its tensors are filled in place, and its leaves
+    that are neither tensors nor containers (a learning rate, a step count) take the
+    checkpoint's values.
     """
     opened = _open(path, rank)
     directory = opened[0].parent

@@ -2,10 +2,12 @@
 
 Each rank's file holds its local shards, and its manifest records where each lies in the global
 tensor (`ShardInfo`). A target tensor (a DTensor's local shard on this rank, or a plain tensor:
-the whole global tensor) is filled from every saved shard whose box overlaps its own: only those
-bytes are read (the files are mapped), and the checksum of every file entry read from is
-verified. Replicated copies of one box are read once. Plain tensors and the structure come from
-one rank's file, as `load` reads them.
+the whole global tensor) is filled from every saved shard whose box overlaps its own: the files
+are mapped, only the entries of those shards are touched, and each one's checksum is verified
+(which reads the whole entry; without verification only the overlapping bytes are read).
+Replicated copies of one box are read once. Plain tensors and the other leaves come from one
+rank's file, as `load` reads them; the target keeps its own structure, and its leaves that are
+not tensors or containers (a learning rate, a step count) take the checkpoint's values.
 """
 
 from __future__ import annotations
@@ -115,9 +117,12 @@ def _fill(
             raise CheckpointMismatchError(
                 f"{path}: the checkpoint of {where} holds {type(source).__name__}, not a dict"
             )
-        for key, value in target.items():
+        for key, value in list(target.items()):
             if key not in source:
                 raise CheckpointKeyError(f"{path}[{key!r}] is not in the checkpoint {where}")
+            if _is_leaf(value):
+                target[key] = _leaf(source[key], f"{path}[{key!r}]")
+                continue
             below = [s.get(key) if isinstance(s, dict) else None for s in sources]
             _fill(value, below, files, primary, verify, where, f"{path}[{key!r}]")
         return
@@ -127,11 +132,28 @@ def _fill(
                 f"{path}: length {len(source)} in the checkpoint, {len(target)} in the target"
             )
         for i, value in enumerate(target):
+            if _is_leaf(value) and isinstance(target, list):
+                target[i] = _leaf(source[i], f"{path}[{i}]")
+                continue
             below = [
                 s[i] if isinstance(s, (list, tuple)) and len(s) == len(source) else None
                 for s in sources
             ]
             _fill(value, below, files, primary, verify, where, f"{path}[{i}]")
+
+
+def _is_leaf(value: Any) -> bool:
+    """A value `into=` replaces with the checkpoint's: neither a tensor nor a dict or list, nor
+    a tuple holding a tensor (those are filled in place)."""
+    if isinstance(value, tuple):
+        return all(_is_leaf(v) and not isinstance(v, (dict, list)) for v in value)
+    return not isinstance(value, (torch.Tensor, dict, list))
+
+
+def _leaf(value: Any, path: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        raise CheckpointMismatchError(f"{path}: the checkpoint holds a tensor, the target does not")
+    return value
 
 
 def _fill_tensor(
@@ -223,7 +245,17 @@ def _target_box(target: Any, path: str) -> tuple[torch.Tensor, Box]:
     shape, offset = _torch_private.local_shape_and_global_offset(
         target.shape, target.device_mesh, target.placements
     )
-    return _torch_private.local_tensor(target), (offset, shape)
+    local = _torch_private.local_tensor(target)
+    if (
+        target.device_mesh.get_coordinate() is None
+        or len(offset) != target.dim()
+        or tuple(local.shape) != shape
+    ):
+        raise NotSupportedError(
+            f"{path}: the target's local tensor of shape {tuple(local.shape)} is not the shard "
+            f"{shape} its placements give this rank (or this rank is not in its mesh)"
+        )
+    return local, (offset, shape)
 
 
 def _whole(shape: tuple[int, ...]) -> Box:

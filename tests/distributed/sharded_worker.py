@@ -22,11 +22,13 @@ import os
 import signal
 import sys
 import time
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.multiprocessing  # noqa: F401  (torch's reductions for ForkingPickler)
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -235,6 +237,17 @@ def mesh2d(out: Path, group: dist.ProcessGroup) -> None:
     state = {k: distribute_tensor(v, mesh, placements[k]) for k, v in full.items()}
     state["plain"] = torch.ones(3)
     stager = pyshmckpt.ShmStager()
+    parameter = torch.nn.Parameter(distribute_tensor(torch.randn(5, 3), mesh, placements["a"]))
+    staged_parameter = stager.stage({"p": parameter})["p"]
+    check(
+        isinstance(staged_parameter, torch.nn.Parameter) and staged_parameter.requires_grad
+        and torch.equal(staged_parameter.to_local(), parameter.to_local()),
+        "a DTensor parameter is staged as a DTensor parameter",
+    )  # fmt: skip
+    # What DCP's process executor does with a staged state dict (torch crashes on a DTensor
+    # whose wrapper carries its local tensor's storage offset).
+    ForkingPickler.dumps(staged_parameter)
+    del staged_parameter
     staged = stager.stage(state)
     for key, value in state.items():
         if isinstance(value, DTensor):

@@ -141,6 +141,30 @@ def test_load_into_copies_in_place(gpt_checkpoint):
     assert same_bytes(model.head.weight, expected["embed.weight"])
 
 
+def test_load_into_sets_the_targets_other_leaves_to_the_checkpoints(tmp_path):
+    saved = {
+        "w": torch.arange(4.0),
+        "groups": [{"lr": 0.05, "betas": (0.9, 0.95), "params": ["w"]}],
+        "step": 7,
+        "note": None,
+    }
+    with Checkpointer(tmp_path) as checkpointer:
+        path = checkpointer.save(saved, name="ck").result(timeout=60)
+    target = {
+        "w": torch.zeros(4),
+        "groups": [{"lr": 0.1, "betas": (0.8, 0.9), "params": ["w"]}],
+        "step": 0,
+        "note": "fresh",
+    }
+    w = target["w"]
+    assert pyshmckpt.load(path, into=target) is target
+    assert target["w"] is w  # filled in place
+    assert torch.equal(w, saved["w"])
+    assert target["groups"] == saved["groups"]
+    assert target["step"] == 7
+    assert target["note"] is None
+
+
 def test_load_into_rejects_a_different_structure(gpt_checkpoint):
     path = gpt_checkpoint["path"]
     with pytest.raises(ValueError, match="pos"):
