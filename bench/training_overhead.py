@@ -1,0 +1,200 @@
+"""How much slower training runs while checkpointing every N steps.
+
+    python bench/training_overhead.py [--steps 60 --every 1 5 20 --repeats 3 --plot out.png]
+
+Trains the demo's GPT on the CPU for --steps steps per run, with a checkpoint every N steps
+through each way below, and without checkpoints; runs are interleaved (every repeat runs every
+way and N in a rotating order) and each figure is the median over --repeats. Slowdown = a run's
+wall time / the median run without checkpoints - 1. A save is started every N steps and training
+goes on; before the next save (and at the end) the previous one must be durable, as a training
+loop that keeps one checkpoint in flight does.
+
+  pyshmckpt   pyshmckpt.Checkpointer (safetensors files, keep_last=2)
+  torch-exp   torch's _experimental DefaultStager + CheckpointProcess + CheckpointWriter
+  dcp         torch.distributed.checkpoint.async_save with its default stager
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+import pyshmckpt
+from pyshmckpt import _torch_private
+from pyshmckpt.cli.demo import gpt
+
+WAYS = ("pyshmckpt", "torch-exp", "dcp")
+
+
+class Saver:
+    """One way of checkpointing: start(state, path) returns something to wait on."""
+
+    def __init__(self, way: str, root: Path) -> None:
+        self.way = way
+        self.root = root
+        self.count = 0
+        self.close: Callable[[], None] = lambda: None
+        if way == "pyshmckpt":
+            checkpointer = pyshmckpt.Checkpointer(root, keep_last=2)
+            self.start: Callable[[Any], Any] = lambda state: checkpointer.save(state)
+            self.close = checkpointer.close
+        elif way == "torch-exp":
+            self.start, self.close = _torch_experimental(root)
+        elif way == "dcp":
+            self.start = self._dcp
+        else:
+            raise SystemExit(f"unknown way {way}")
+
+    def _dcp(self, state: Any) -> Any:
+        self.count += 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "torch.distributed is disabled" and the like
+            return dcp.async_save(state, checkpoint_id=str(self.root / f"dcp-{self.count}"))
+
+
+def _torch_experimental(root: Path) -> tuple[Callable[[Any], Any], Callable[[], None]]:
+    experimental = _torch_private.experimental
+    process_class = experimental("checkpoint_process", "CheckpointProcess")
+    config_class = experimental("checkpoint_process", "CheckpointProcessConfig")
+    writer_class = experimental("checkpoint_writer", "CheckpointWriter")
+    writer_config = experimental("checkpoint_writer", "CheckpointWriterConfig")
+    stager_config = experimental("staging", "CheckpointStagerConfig")
+    stager_class = experimental("staging", "DefaultStager")
+    rank_info = experimental("types", "RankInfo")(global_rank=0, global_world_size=1)
+    stager = stager_class(
+        stager_config(
+            use_pinned_memory=False, use_shared_memory=True, use_async_staging=False,
+            use_non_blocking_copy=False,
+        )
+    )  # fmt: skip
+    process = process_class(
+        rank_info, config_class(), _no_init, (), writer_class, {"config": writer_config()}
+    )
+    count = [0]
+
+    def start(state: Any) -> Any:
+        count[0] += 1
+        staged = stager.stage(state)
+        return process.write(staged, str(root / f"exp-{count[0]}"))
+
+    def close() -> None:
+        process.close()
+        stager.close()
+
+    return start, close
+
+
+def _no_init() -> None:
+    pass
+
+
+def _wait(pending: Any) -> None:
+    if pending is None:
+        return
+    getattr(pending, "upload_completion", pending).result(timeout=600)
+
+
+def train(args: argparse.Namespace, way: str | None, every: int, root: Path) -> float:
+    """Wall seconds of --steps training steps, checkpointing every `every` steps with `way`."""
+    config = gpt.GPTConfig(
+        vocab=args.vocab, seq_len=args.seq_len, width=args.width, layers=args.layers, heads=8
+    )
+    torch.manual_seed(0)
+    model = gpt.GPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    saver = Saver(way, root) if way is not None else None
+    pending = None
+    try:
+        started = time.perf_counter()
+        for step in range(1, args.steps + 1):
+            inputs, targets = gpt.batch(step, args.batch_size, config.seq_len, config.vocab)
+            loss = model.loss(inputs, targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            if saver is not None and step % every == 0:
+                _wait(pending)  # one checkpoint in flight at a time
+                state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+                pending = saver.start(state)
+        _wait(pending)
+        return time.perf_counter() - started
+    finally:
+        if saver is not None:
+            saver.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--every", type=int, nargs="+", default=[1, 5, 20])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
+    args = parser.parse_args()
+    runs: dict[tuple[str, int], list[float]] = {}
+    cases = [(None, 0)] + [(way, n) for n in args.every for way in WAYS]
+    for repeat in range(args.repeats):
+        shift = repeat % len(cases)
+        for way, every in cases[shift:] + cases[:shift]:
+            root = Path(tempfile.mkdtemp(prefix="pyshmckpt-overhead-"))
+            try:
+                seconds = train(args, way, every, root)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            runs.setdefault((way or "none", every), []).append(seconds)
+            print(
+                f"repeat {repeat} {way or 'none':10s} every {every:3d}: {seconds:.2f} s", flush=True
+            )
+    base = statistics.median(runs[("none", 0)])
+    table = {
+        f"{way}@{n}": statistics.median(runs[(way, n)]) / base - 1
+        for way in WAYS
+        for n in args.every
+    }
+    print(f"\nno checkpoints: {base:.2f} s for {args.steps} steps (median of {args.repeats})")
+    print(f"{'every N':>8s} " + " ".join(f"{way:>10s}" for way in WAYS) + "  ours / best other")
+    for n in args.every:
+        slow = [table[f"{way}@{n}"] for way in WAYS]
+        best_other = min(slow[1:])
+        ratio = slow[0] / best_other if best_other > 0 else float("nan")
+        print(f"{n:8d} " + " ".join(f"{s * 100:9.1f}%" for s in slow) + f"  {ratio:.2f}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"base_seconds": base, "slowdown": table, "args": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+        }}, indent=1))  # fmt: skip
+    if args.plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for way in WAYS:
+            ax.plot(args.every, [100 * table[f"{way}@{n}"] for n in args.every], "o-", label=way)
+        ax.set_xscale("log")
+        ax.set_xlabel("checkpoint every N steps")
+        ax.set_ylabel("training slowdown (%)")
+        ax.set_title(f"GPT width {args.width}, {args.layers} layers, CPU")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
