@@ -34,6 +34,8 @@ import pyshmckpt
 from pyshmckpt import _torch_private
 from pyshmckpt.cli.demo import gpt
 
+import transports  # bench/transports.py: the sides every benchmark compares
+
 WAYS = ("pyshmckpt", "torch-exp", "dcp")
 
 
@@ -64,23 +66,12 @@ class Saver:
 
 
 def _torch_experimental(root: Path) -> tuple[Callable[[Any], Any], Callable[[], None]]:
-    experimental = _torch_private.experimental
-    process_class = experimental("checkpoint_process", "CheckpointProcess")
-    config_class = experimental("checkpoint_process", "CheckpointProcessConfig")
-    writer_class = experimental("checkpoint_writer", "CheckpointWriter")
-    writer_config = experimental("checkpoint_writer", "CheckpointWriterConfig")
-    stager_config = experimental("staging", "CheckpointStagerConfig")
-    stager_class = experimental("staging", "DefaultStager")
-    rank_info = experimental("types", "RankInfo")(global_rank=0, global_world_size=1)
-    stager = stager_class(
-        stager_config(
-            use_pinned_memory=False, use_shared_memory=True, use_async_staging=False,
-            use_non_blocking_copy=False,
-        )
-    )  # fmt: skip
-    process = process_class(
-        rank_info, config_class(), _no_init, (), writer_class, {"config": writer_config()}
-    )
+    """torch's transport as bench/transports.py builds it, with torch's own CheckpointWriter."""
+    writer_class = _torch_private.experimental("checkpoint_writer", "CheckpointWriter")
+    writer_config = _torch_private.experimental("checkpoint_writer", "CheckpointWriterConfig")
+    # Not waited for, like the Checkpointer's writer: both start-ups fall inside the run.
+    process = transports.torch_process(writer_class, {"config": writer_config()}, started=False)
+    stager = transports.torch_stager()
     count = [0]
 
     def start(state: Any) -> Any:
@@ -93,10 +84,6 @@ def _torch_experimental(root: Path) -> tuple[Callable[[Any], Any], Callable[[], 
         stager.close()
 
     return start, close
-
-
-def _no_init() -> None:
-    pass
 
 
 def _wait(pending: Any) -> None:

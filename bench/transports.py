@@ -58,8 +58,11 @@ def ours_process(writer: type) -> CheckpointProcess:
     return cp
 
 
-def torch_process(writer: type) -> Any:
-    """Torch's writer process, started before any timing."""
+def torch_process(
+    writer: type, writer_kwargs: dict[str, Any] | None = None, *, started: bool = True
+) -> Any:
+    """Torch's writer process, started before any timing (with `started`; else it starts in
+    the background, as ours does in a Checkpointer)."""
     from torch.distributed.checkpoint._experimental.checkpoint_process import (
         CheckpointProcess as TorchProcess,
     )
@@ -67,8 +70,9 @@ def torch_process(writer: type) -> Any:
         CheckpointProcessConfig as TorchConfig,
     )
 
-    cp = TorchProcess(RANK, TorchConfig(), no_init, (), writer, {})
-    cp.process_creation_future.result()
+    cp = TorchProcess(RANK, TorchConfig(), no_init, (), writer, writer_kwargs or {})
+    if started:
+        cp.process_creation_future.result()
     return cp
 
 

@@ -11,6 +11,7 @@ again; the specs cross to other processes pickled once per manifest, unpickled o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import pickle
 from typing import Any
@@ -24,19 +25,15 @@ from ..errors import CheckpointCorruptError, NotSupportedError, UnsupportedValue
 PlacementData = tuple[Any, ...]
 
 
+@functools.cache
 def dtensor_type() -> type | None:
-    """torch's DTensor class, or None where torch was built without distributed support."""
-    if not _DTENSOR:
-        try:
-            from torch.distributed.tensor import DTensor
-        except ImportError:  # pragma: no cover - torch without distributed
-            _DTENSOR.append(None)
-        else:
-            _DTENSOR.append(DTensor)
-    return _DTENSOR[0]
-
-
-_DTENSOR: list[type | None] = []  # filled on first use: importing it costs a few ms
+    """torch's DTensor class, or None where torch was built without distributed support
+    (imported on first use: it costs a few ms)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return DTensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +160,7 @@ def shard_info(dtensor: Any) -> ShardInfo:
         local_shape=local_shape,
         mesh_shape=tuple(mesh.shape),
         mesh_dim_names=None if mesh.mesh_dim_names is None else tuple(mesh.mesh_dim_names),
-        coordinate=None if coordinate is None else tuple(coordinate),
+        coordinate=tuple(coordinate),
         placements=tuple(placement_data(p) for p in spec.placements),
         parameter=isinstance(dtensor, torch.nn.Parameter),
         requires_grad=dtensor.requires_grad,
@@ -203,9 +200,6 @@ class Sharding:
         ).encode()
         return cls({i: info for i, (_, info) in dtensors.items()}, specs, None, meshes)
 
-    def __len__(self) -> int:
-        return len(self.infos)
-
     def digest(self) -> bytes:
         h = hashlib.blake2b(repr(sorted(self.infos.items())).encode(), digest_size=16)
         h.update(self._meshes)
@@ -223,8 +217,7 @@ class Sharding:
         if dtype is None:  # pragma: no cover - torch without distributed
             raise NotSupportedError("this torch has no DTensor: the state cannot be rebuilt")
         for i, info in self.infos.items():
-            with torch.no_grad():
-                dt = _torch_private.dtensor_over(dtype, tensors[i], specs[i])
+            dt = _torch_private.dtensor_over(dtype, tensors[i], specs[i])
             # Not nn.Parameter(dt): that detaches through DTensor's own constructor, which puts
             # the slot offset back on the wrapper (see dtensor_over).
             if info.requires_grad:

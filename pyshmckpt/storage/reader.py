@@ -79,7 +79,7 @@ def load(
     opened = _open(path, rank)
     directory = opened[0].parent
     if into is not None and (_sharded(opened[2]) or resharding.holds_dtensors(into)):
-        _reshard_into(directory, into, rank, verify=verify, allow_pickle=allow_pickle)
+        _reshard_into(opened, into, rank, verify=verify, allow_pickle=allow_pickle)
         return into
     file = _rank_file(opened, rank, allow_pickle, verify_all=verify)
     logger.debug("loaded %s (rank %d)", directory, rank)
@@ -127,15 +127,24 @@ def _rank_file(
 
 
 def _reshard_into(
-    directory: Path, into: Any, rank: int, *, verify: bool, allow_pickle: bool
+    opened: tuple[Path, Path, dict[str, Any], Any, mmap.mmap],
+    into: Any,
+    rank: int,
+    *,
+    verify: bool,
+    allow_pickle: bool,
 ) -> None:
-    """Fill `into` (DTensors on any mesh, or plain tensors) from every rank's shards."""
+    """Fill `into` (DTensors on any mesh, or plain tensors) from every rank's shards; `opened`
+    is rank `rank`'s files, already open."""
+    directory = opened[0].parent
     saved = ranks(directory)
     if rank not in saved:
         raise CheckpointCorruptError(
             str(directory), f"rank {rank} is not among the checkpoint's ranks {saved}"
         )
-    files = [_rank_file(_open(directory, r), r, allow_pickle) for r in saved]
+    files = [
+        _rank_file(opened if r == rank else _open(directory, r), r, allow_pickle) for r in saved
+    ]
     resharding.fill(into, files, saved.index(rank), verify, str(directory))
     logger.debug("resharded %s (%d ranks) into the target state dict", directory, len(saved))
 
