@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from .errors import ClosedError, ConfigError, ConfigTypeError, os_error
+from .errors import ClosedError, ConfigError, ConfigTypeError, from_os_error, os_error
 from .staging import ShmStager
 from .storage import commit, tree_codec, writer_spec
 from .transport import CheckpointProcess, CheckpointProcessConfig
@@ -104,7 +104,7 @@ class Checkpointer:
     temporaries of a crash are removed when a Checkpointer opens the root.
 
     Args:
-        root: an existing, writable directory.
+        root: a writable directory, created (with its parents) when missing.
         writer: a name from the storage registry (``pyshmckpt.storage.writer_names()``):
             "safetensors" (default: ``rankN.safetensors`` + ``rankN.json``, read by
             ``pyshmckpt.load``), "torch" (torch.save, ``checkpoint_N.pt``) or "dcp".
@@ -171,7 +171,13 @@ class Checkpointer:
             keep_last=keep_last, world_size=self.world_size, barrier_timeout=barrier_timeout,
             allow_pickle=self._allow_pickle, direct_io=direct_io,
         )  # fmt: skip
-        if self.rank == 0 and self.root.is_dir():
+        try:
+            if not (self.root.exists() or self.root.is_symlink()):
+                self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise from_os_error(exc, f"cannot create checkpoint root {self.root}") from None
+        commit.check_root(self.root)
+        if self.rank == 0:
             commit.clean_leftovers(self.root)  # other ranks' temporaries may be in progress
         self._run_id = _run_id(run_id, self.world_size, process_group)
         self._attempts = itertools.count(1)
@@ -198,13 +204,17 @@ class Checkpointer:
     def _committed(self) -> list[tuple[int, str]]:
         return commit.committed(self.root) if self.root.is_dir() else []
 
-    def save(self, state_dict: Any, name: str | None = None) -> Future[Path]:
+    def save(
+        self, state_dict: Any, name: str | None = None, *, overwrite: bool = False
+    ) -> Future[Path]:
         """Stage `state_dict` and persist it as root/name in the background.
 
         Returns once staging is complete. The Future resolves to the committed path, or fails
         (disk full, writer error, ...) with that save's error; the Checkpointer stays usable.
         Raises at once, before staging, for an unwritable or missing root, a bad or existing
-        name, or leaves that need pickle when it is not allowed.
+        name, or leaves that need pickle when it is not allowed. With ``overwrite=True`` an
+        existing checkpoint of that name is replaced atomically once the new one is durable
+        (the name always holds one complete checkpoint); anything else there is never replaced.
         """
         if self._closed:
             raise ClosedError("Checkpointer is closed")
@@ -216,9 +226,13 @@ class Checkpointer:
         commit.check_name(name)
         target = self.root / name
         if target.exists() or target.is_symlink():
-            raise os_error(errno.EEXIST, f"checkpoint {target} already exists", str(target))
+            if not overwrite:
+                raise os_error(errno.EEXIST, f"checkpoint {target} already exists", str(target))
+            commit.check_replaceable(target)
         staged = self._stager.stage(state_dict)
-        extra = {"attempt": f"{self._run_id}.{next(self._attempts)}"} if self.world_size > 1 else {}
+        extra: dict[str, Any] = {"replace": True} if overwrite else {}
+        if self.world_size > 1:
+            extra["attempt"] = f"{self._run_id}.{next(self._attempts)}"
         written = self._process.write(staged, str(target), **extra)
         del staged  # its slot frees itself once written and unreferenced
         result: Future[Path] = Future()

@@ -133,12 +133,13 @@ def opened(root: Path | str, **kwargs: Any) -> Iterator[Checkpointer]:
 
 
 @contextlib.contextmanager
-def small_tmpfs(path: Path, size: str = "2m") -> Iterator[Path]:
+def small_tmpfs(path: Path, size: str = "2m", read_only: bool = False) -> Iterator[Path]:
     """Mount a tmpfs of `size` at `path` (skips the test where mounting is not allowed)."""
     path.mkdir()
+    options = f"size={size}" + (",ro" if read_only else "")
     try:
         done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
             capture_output=True, text=True, timeout=30,
         )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired) as exc:

@@ -298,9 +298,32 @@ def test_leftovers_are_removed_when_a_checkpointer_opens_the_root(tmp_path, gpt_
     assert tree_hash(kept) == untouched
 
 
-def test_missing_or_non_directory_root_fails_before_anything_is_staged(tmp_path):
-    root = tmp_path / "missing"
+def test_a_missing_root_is_created_and_an_unusable_one_fails_at_once(tmp_path):
+    root = tmp_path / "missing" / "nested"
     with opened(root) as ck:
+        assert root.is_dir()
+        path = ck.save({"x": torch.ones(1024)}).result(timeout=SAVE_TIMEOUT)
+        assert path.parent == root
+        assert torch.equal(pyshmckpt.load(path)["x"], torch.ones(1024))
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    with pytest.raises(NotADirectoryError, match="not a directory"):
+        pyshmckpt.Checkpointer(a_file)
+    with pytest.raises(NotADirectoryError, match="cannot create checkpoint root"):
+        pyshmckpt.Checkpointer(a_file / "below")
+    assert a_file.read_text() == "not a directory"
+    with small_tmpfs(tmp_path / "read-only", read_only=True) as read_only:
+        with pytest.raises(pyshmckpt.PyshmckptOSError, match="cannot create checkpoint root"):
+            pyshmckpt.Checkpointer(read_only / "root")
+        with pytest.raises(PermissionError, match="not writable"):
+            pyshmckpt.Checkpointer(read_only)
+
+
+def test_a_root_removed_after_opening_fails_the_save_before_anything_is_staged(tmp_path):
+    root = tmp_path / "root"
+    with opened(root) as ck:
+        root.rmdir()
         with pytest.raises(FileNotFoundError, match="does not exist"):
             ck.save({"x": torch.ones(1024)})
         assert ck._stager.arena is None
@@ -312,11 +335,30 @@ def test_missing_or_non_directory_root_fails_before_anything_is_staged(tmp_path)
         assert ck._stager.arena is None
         assert root.read_text() == "a file, not a directory"
 
-        root.unlink()
-        root.mkdir()
-        path = ck.save({"x": torch.ones(1024)}).result(timeout=SAVE_TIMEOUT)
-        assert path.parent == root
-        assert torch.equal(pyshmckpt.load(path)["x"], torch.ones(1024))
+
+def test_overwrite_replaces_a_checkpoint_atomically_and_nothing_else(tmp_path):
+    with opened(tmp_path) as ck:
+        first = ck.save({"x": torch.zeros(4)}, name="last.ckpt").result(timeout=SAVE_TIMEOUT)
+        with pytest.raises(FileExistsError, match="already exists"):
+            ck.save({"x": torch.ones(4)}, name="last.ckpt")
+        futures = [
+            ck.save({"x": torch.full((4,), float(i))}, name="last.ckpt", overwrite=True)
+            for i in range(1, 4)
+        ]
+        assert [f.result(timeout=SAVE_TIMEOUT) for f in futures] == [first] * 3
+        assert torch.equal(pyshmckpt.load(first)["x"], torch.full((4,), 3.0))
+        assert link_target(tmp_path / "latest") == "last.ckpt"
+        pyshmckpt.verify(first)
+        assert commit.wait_for_deletions(30.0)
+        assert visible(tmp_path) == ["last.ckpt"]
+        assert hidden(tmp_path) == []
+
+        (tmp_path / "theirs.ckpt").write_text("a file of someone else's")
+        (tmp_path / "a-directory").mkdir()
+        for name in ("theirs.ckpt", "a-directory"):
+            with pytest.raises(FileExistsError, match="not a pyshmckpt checkpoint"):
+                ck.save({"x": torch.ones(4)}, name=name, overwrite=True)
+        assert (tmp_path / "theirs.ckpt").read_text() == "a file of someone else's"
 
 
 # --------------------------------------------------------------------------------------------
@@ -507,3 +549,19 @@ def test_a_temporary_a_live_writer_holds_survives_the_next_opening_of_the_root(t
             assert temp.is_dir()
     with opened(tmp_path):
         assert not temp.exists()
+
+
+def test_overwrite_where_the_filesystem_cannot_exchange_renames_the_old_one_away(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(commit, "_exchange", lambda a, b: False)  # as on NFS: EINVAL
+
+    def fill(value: str):
+        return lambda temp: [(temp / "data").write_text(value) and temp / "data"]
+
+    path = commit.commit_directory(tmp_path / "last", fill("old"), None)
+    commit.commit_directory(tmp_path / "last", fill("new"), None, replace=True)
+    assert (path / "data").read_text() == "new"
+    assert commit.wait_for_deletions(30.0)
+    assert visible(tmp_path) == ["last"]
+    assert hidden(tmp_path) == []

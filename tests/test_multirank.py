@@ -87,6 +87,16 @@ def test_every_rank_writes_its_files_into_one_committed_checkpoint(tmp_path):
         assert second != {checkpoint}
         assert cks[0].latest() == second.pop()
 
+        # Overwriting: each rank returns once this attempt (not the old checkpoint of that name)
+        # is committed, and the name holds every rank's new files.
+        futures = [
+            ck.save(rank_state(r, 3), name="step-1", overwrite=True) for r, ck in enumerate(cks)
+        ]
+        assert [f.result(timeout=SAVE_TIMEOUT) for f in futures] == [checkpoint] * 3
+        for r in range(3):
+            assert pyshmckpt.load(checkpoint, rank=r)["step"] == 3
+        assert cks[0].latest() == checkpoint
+
 
 def test_cli_verify_checks_every_rank_and_names_a_corrupt_one(tmp_path, capsys):
     with ranks(tmp_path, 2) as cks:

@@ -15,7 +15,8 @@ by unlinking each one, and commits as above. A rank that gives up waiting withdr
 renaming it: whichever of the claim and the withdrawal comes first decides, atomically, whether
 the attempt can still be committed. Any rank that fails or gives up writes a tombstone
 ``root/.failed-<name>-<attempt>`` with its reason: every other rank stops at once with that
-reason, and nothing is committed. The other ranks return once ``latest`` names the checkpoint.
+reason, and nothing is committed. The other ranks return once the committed checkpoint's record
+names their attempt.
 Only rank 0 removes temporaries: a dead attempt's files once a later attempt is committed (every
 rank has finished with the earlier one by then), and everything left when a root is opened.
 """
@@ -23,8 +24,10 @@ rank has finished with the earlier one by then), and everything left when a root
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -105,28 +108,97 @@ def committed(root: Path) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-def commit(temp_dir: Path, final_dir: Path, world_size: int = 1) -> None:
-    """Record the commit, fsync and rename `temp_dir` to `final_dir` (which must not exist)."""
+def commit(
+    temp_dir: Path,
+    final_dir: Path,
+    world_size: int = 1,
+    *,
+    replace: bool = False,
+    attempt: str | None = None,
+) -> None:
+    """Record the commit, fsync and rename `temp_dir` to `final_dir`.
+
+    `final_dir` must not exist, unless `replace` is set and it is a committed checkpoint: then
+    the two are exchanged atomically (renameat2 RENAME_EXCHANGE, so the name always holds one
+    complete checkpoint) and the old one is deleted in the background. Where the filesystem
+    cannot exchange, the old one is renamed away first: a crash between the two renames leaves
+    the name empty, the old checkpoint in a .trash-* directory.
+    """
     root = final_dir.parent
-    if final_dir.exists() or final_dir.is_symlink():
+    exists = final_dir.exists() or final_dir.is_symlink()
+    if exists and not replace:
         raise os_error(errno.EEXIST, f"checkpoint {final_dir} already exists", str(final_dir))
+    if exists:
+        check_replaceable(final_dir)
     sequence = max((seq for seq, _ in committed(root)), default=0) + 1
     record = temp_dir / COMMIT_RECORD
-    record.write_text(
-        json.dumps(
-            {
-                "sequence": sequence,
-                "time_ns": time.time_ns(),
-                "name": final_dir.name,
-                "world_size": world_size,
-            }
-        )
-    )
+    fields: dict[str, Any] = {
+        "sequence": sequence,
+        "time_ns": time.time_ns(),
+        "name": final_dir.name,
+        "world_size": world_size,
+    }
+    if attempt is not None:
+        fields["attempt"] = attempt
+    record.write_text(json.dumps(fields))
     fsync_path(record)
     fsync_path(temp_dir)
-    temp_dir.rename(final_dir)
+    if not exists:
+        temp_dir.rename(final_dir)
+    elif _exchange(temp_dir, final_dir):
+        _delete(temp_dir, background=True)  # it now holds the replaced checkpoint
+    else:
+        trash = root / f"{TRASH_PREFIX}{final_dir.name}-{secrets.token_hex(8)}"
+        final_dir.rename(trash)
+        temp_dir.rename(final_dir)
+        _delete(trash, background=True)
     fsync_path(root)
-    logger.debug("committed %s (sequence %d)", final_dir, sequence)
+    logger.debug("committed %s (sequence %d)%s", final_dir, sequence, " over the old" * exists)
+
+
+def check_replaceable(path: Path) -> None:
+    """Raise unless `path` is a committed checkpoint (what ``replace`` may overwrite): never
+    replace a file or directory of someone else's."""
+    if path.is_symlink() or not (path / COMMIT_RECORD).is_file():
+        raise os_error(
+            errno.EEXIST,
+            f"{path} exists and is not a pyshmckpt checkpoint: not replacing it",
+            str(path),
+        )
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+@functools.cache
+def _renameat2() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    function = getattr(libc, "renameat2", None)
+    if function is not None:
+        function.argtypes = [
+            ctypes.c_int,
+            ctypes.c_char_p,
+            ctypes.c_int,
+            ctypes.c_char_p,
+            ctypes.c_uint,
+        ]
+        function.restype = ctypes.c_int
+    return function
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically; False where the C library or the filesystem cannot."""
+    function = _renameat2()
+    if function is None:
+        return False
+    if function(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        logger.debug("renameat2(RENAME_EXCHANGE) unsupported here (%s)", os.strerror(code))
+        return False
+    raise os_error(code, f"could not exchange {a} and {b}: {os.strerror(code)}", str(b))
 
 
 def update_latest(root: Path, name: str) -> None:
@@ -163,15 +235,19 @@ def remove(root: Path, name: str, *, background: bool = False) -> None:
     trash = root / f"{TRASH_PREFIX}{name}-{secrets.token_hex(8)}"
     (root / name).rename(trash)
     fsync_path(root)
-    if background:
-        thread = threading.Thread(
-            target=shutil.rmtree, args=(trash, True), name="pyshmckpt-trash", daemon=True
-        )
-        thread.start()
-        with _DELETIONS_LOCK:
-            _DELETIONS[:] = [t for t in _DELETIONS if t.is_alive()] + [thread]
-    else:
-        shutil.rmtree(trash, ignore_errors=True)
+    _delete(trash, background=background)
+
+
+def _delete(directory: Path, *, background: bool) -> None:
+    if not background:
+        shutil.rmtree(directory, ignore_errors=True)
+        return
+    thread = threading.Thread(
+        target=shutil.rmtree, args=(directory, True), name="pyshmckpt-trash", daemon=True
+    )
+    thread.start()
+    with _DELETIONS_LOCK:
+        _DELETIONS[:] = [t for t in _DELETIONS if t.is_alive()] + [thread]
 
 
 _DELETIONS: list[threading.Thread] = []
@@ -266,12 +342,14 @@ def commit_directory(
     world_size: int = 1,
     attempt: str | None = None,
     barrier_timeout: float = 600.0,
+    replace: bool = False,
 ) -> Path:
     """Write a checkpoint with `fill(temp_dir)`, then commit it as `path`, update `latest`, and
     apply retention. Nothing is visible under the root until the rename; on any failure the
     temporary directory is removed and earlier checkpoints are untouched.
 
     `fill` returns the files it wrote (None: every file in the directory), which are fsynced.
+    With `replace`, a committed checkpoint at `path` is replaced atomically (see `commit`).
     With world_size > 1, every rank calls this with the same `path` and `attempt` (see the module
     docstring); `attempt` must be unique to this save among all saves into the root.
     """
@@ -283,12 +361,15 @@ def commit_directory(
             raise ConfigError(
                 f"a multi-rank save needs an attempt id without '-' or '/', not {attempt!r}"
             )
-        return _SharedCommit(final, rank, world_size, attempt, barrier_timeout).run(fill, keep_last)
+        shared = _SharedCommit(final, rank, world_size, attempt, barrier_timeout, replace)
+        return shared.run(fill, keep_last)
+    if replace and (final.exists() or final.is_symlink()):
+        check_replaceable(final)  # before writing anything
     temp = new_temp_dir(root, final.name)
     try:
         with in_use(temp):
             _fill_and_sync(temp, fill)
-            commit(temp, final)
+            commit(temp, final, replace=replace)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
@@ -317,20 +398,25 @@ class _SharedCommit:
     """One rank's part in one attempt of a multi-rank commit (see the module docstring)."""
 
     def __init__(
-        self, final: Path, rank: int, world_size: int, attempt: str, timeout: float
+        self, final: Path, rank: int, world_size: int, attempt: str, timeout: float, replace: bool
     ) -> None:
         check_name(final.name)
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is outside world size {world_size}")
         self.final, self.root, self.name = final, final.parent, final.name
         self.rank, self.world_size, self.attempt, self.timeout = rank, world_size, attempt, timeout
+        self.replace = replace
         self.temp = self.root / f"{TMP_PREFIX}{final.name}-{attempt}"
         self.tomb = self.root / f"{FAILED_PREFIX}{final.name}-{attempt}"
         self.done = self.temp / f".rank{rank}.done"
 
     def run(self, fill: Fill, keep_last: int | None) -> Path:
         if self.final.exists() or self.final.is_symlink():
-            raise os_error(errno.EEXIST, f"checkpoint {self.final} already exists", str(self.final))
+            if not self.replace:
+                raise os_error(
+                    errno.EEXIST, f"checkpoint {self.final} already exists", str(self.final)
+                )
+            check_replaceable(self.final)
         self._check_tomb()  # another rank already gave this attempt up: do not write
         # The other ranks wait a little longer than rank 0, so rank 0's verdict normally lands first.
         deadline = time.monotonic() + (self.timeout if self.rank == 0 else self.timeout * 1.1 + 1.0)
@@ -354,7 +440,9 @@ class _SharedCommit:
         try:
             self._wait_for_ranks(deadline)
             self._claim()
-            commit(self.temp, self.final, self.world_size)
+            commit(
+                self.temp, self.final, self.world_size, replace=self.replace, attempt=self.attempt
+            )
         except CommitError:
             shutil.rmtree(self.temp, ignore_errors=True)
             raise
@@ -442,12 +530,8 @@ class _SharedCommit:
         claimed = False
         for delay in _poll_delays():
             self._check_tomb()
-            with contextlib.suppress(OSError):
-                if (
-                    str((self.root / LATEST).readlink()) == self.name
-                    and (self.final / COMMIT_RECORD).exists()
-                ):
-                    return
+            if self._committed():
+                return
             if time.monotonic() >= deadline:
                 if claimed:
                     raise CommitTimeoutError(
@@ -464,6 +548,13 @@ class _SharedCommit:
                     f"checkpoint {self.name}: rank 0 did not commit it within {self.timeout:g} s"
                 )
             time.sleep(delay)
+
+    def _committed(self) -> bool:
+        """Rank 0 committed this attempt (not an earlier checkpoint of the same name)."""
+        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+            record = json.loads((self.final / COMMIT_RECORD).read_text())
+            return bool(record.get("attempt") == self.attempt)
+        return False
 
     def _remove_dead_attempts(self) -> None:
         """Every rank has finished with this session's earlier attempts (each rank saves in

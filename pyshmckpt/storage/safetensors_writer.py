@@ -246,6 +246,7 @@ class SafetensorsWriter:
             world_size=self.world_size,
             attempt=kwargs.get("attempt"),
             barrier_timeout=self.barrier_timeout,
+            replace=bool(kwargs.get("replace", False)),
         )
 
     def close(self) -> None:
