@@ -9,6 +9,7 @@ import gc
 import hashlib
 import json
 import os
+import socket
 import struct
 import subprocess
 import time
@@ -45,6 +46,13 @@ def child_env() -> dict[str, str]:
     inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(REPO_ROOT), *test_dirs(), *inherited]))
     return env
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (for a rendezvous of ranks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def proc_state(pid: int) -> str | None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -20,19 +19,13 @@ import pytest
 from pyshmckpt import cli
 from pyshmckpt.storage import commit
 
-from helpers import child_env
+from helpers import child_env, free_port
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
 RUN_TIMEOUT = 240  # seconds one launch may take (well under a minute here)
 BARRIER_TIMEOUT = 5  # what the `die` ranks give a missing rank, in sharded_worker.py
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def torchrun(nproc: int, *args: str) -> None:
