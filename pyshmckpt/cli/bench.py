@@ -1,7 +1,8 @@
 """``pyshmckpt bench``: run the benchmark suite (``bench/``), print the comparison, write plots.
 
-The suite is the pytest-benchmark suite of the repository's ``bench/`` directory (found in the
-current directory, beside an editable install, or given with ``--suite``). Its results go to
+The suite is the pytest-benchmark suite of the repository's ``bench/`` directory, which also ships
+inside the installed package (``pyshmckpt/bench``): given with ``--suite``, else ./bench,
+else the one of the installed package or beside an editable install. Its results go to
 ``DIR/results.json`` (our medians, ratios and sweep rows) and ``DIR/pytest-benchmark.json``
 (pytest-benchmark's own record); the plots to ``DIR/throughput_vs_size.png`` and
 ``DIR/throughput_vs_tensors.png``, one line per transport. A run first deletes those files of an
@@ -56,11 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def find_suite(given: Path | None) -> Path:
-    """The bench/ directory: `given`, ./bench, or the one beside the package's source tree."""
+    """The bench/ directory: `given`, ./bench, the installed package's copy, or the one beside
+    the package's source tree (an editable install)."""
+    package = Path(__file__).resolve().parents[1]
     candidates = (
         [given]
         if given is not None
-        else [Path.cwd() / "bench", Path(__file__).resolve().parents[2] / "bench"]
+        else [Path.cwd() / "bench", package / "bench", package.parent / "bench"]
     )
     for candidate in candidates:
         if (

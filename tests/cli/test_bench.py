@@ -7,9 +7,11 @@ import json
 import resource
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import pyshmckpt
 from pyshmckpt.cli import bench as bench_runner
 
 from helpers import HERE, child_env
@@ -64,6 +66,19 @@ def test_plots_are_written_as_png(tmp_path):
         assert path.stat().st_size > 10_000
 
 
+def test_the_suite_is_found_outside_a_clone(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no ./bench here
+    suite = bench_runner.find_suite(None)
+    assert (suite / "test_sweep.py").is_file()
+    assert (suite / "conftest.py").is_file()
+    package = Path(pyshmckpt.__file__).resolve().parent
+    if package.parent != HERE.parent:  # an installed wheel (as CI installs it), not the clone
+        assert suite == package / "bench"
+        assert sorted(p.name for p in suite.glob("*.py")) == sorted(
+            p.name for p in SUITE.glob("*.py")
+        )
+
+
 def test_a_missing_suite_is_a_clear_error(tmp_path, capsys):
     args = argparse.Namespace(quick=True, output=tmp_path / "out", suite=tmp_path, timeout=10.0, pytest_args=[],
                               report_only=False)  # fmt: skip
@@ -104,7 +119,7 @@ def test_quick_run_of_a_slice_of_the_suite_reports_and_plots(tmp_path):
             f"the hard RLIMIT_NOFILE ({hard}) leaves no room to test that the suite raises it"
         )
     done = subprocess.run(
-        [sys.executable, "-m", "pyshmckpt", "bench", "--quick", "--suite", str(SUITE),
+        [sys.executable, "-m", "pyshmckpt", "bench", "--quick",  # the suite it finds itself
          "--output", str(tmp_path / "out"), "--", "-k", "64MiB-256t"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard)),

@@ -1,0 +1,354 @@
+"""Accelerate: ``accelerator.save_state()`` made asynchronous, through a pyshmckpt `Checkpointer`.
+
+Use `ShmStateSaver` where you would call ``accelerator.save_state()`` / ``load_state()``::
+
+    saver = ShmStateSaver(accelerator)       # after accelerator.prepare(...)
+    saver.save_state()                       # returns once staged; training goes on
+    saver.load_state()                       # on resume
+    saver.close()                            # at the end: finishes pending writes
+
+What becomes asynchronous: the model and optimizer state (the bytes that make a save slow) is
+staged into shared memory and written by the writer process while training continues. What stays
+Accelerate's: the small rest (schedulers, RNG states and ``step``, dataloader/sampler state, the
+gradient scaler, registered custom objects) is produced and restored by Accelerate's own
+``save_accelerator_state`` / ``load_accelerator_state`` / ``*_custom_state`` with its own file
+names, synchronously (kilobytes), and carried byte for byte inside the same checkpoint.
+
+Each ``save_state`` is one pyshmckpt checkpoint directory (``rank<r>.safetensors``,
+``rank<r>.json``, ``commit.json``) that appears atomically once durable: a crash never leaves a
+half-written one. Read it back with this class's ``load_state`` (``accelerator.load_state`` does
+not know the format). Staged saves are finished even if the trainer dies, as the Checkpointer
+does.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import errno
+import logging
+import os
+import re
+import tempfile
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from accelerate import Accelerator
+from accelerate.checkpointing import (
+    load_accelerator_state,
+    load_custom_state,
+    save_accelerator_state,
+    save_custom_state,
+)
+from accelerate.utils import DistributedType
+
+from ..checkpointer import Checkpointer
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    ClosedError,
+    ConfigError,
+    ConfigTypeError,
+    NotSupportedError,
+    os_error,
+)
+from ..storage import load
+from ..storage.reader import ranks
+from ..storage.safetensors_writer import file_names
+from ..transport import CheckpointProcessConfig
+
+logger = logging.getLogger(__name__)
+
+# Where the model and optimizer state is each process's plain state dict (DDP or one process).
+# FSDP, DeepSpeed and Megatron-LM save through their own engines; XLA tensors are not staged.
+SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+# What prepare() and register_for_checkpointing() took, Accelerate keeps in the lists _models,
+# _optimizers, _schedulers, _dataloaders and _custom_objects, which its own save_state reads; it
+# offers no public accessor, so this module reads them as well.
+CHECKPOINTS = "checkpoints"  # Accelerate's folder under project_dir for automatic naming
+_CUSTOM_FILE = re.compile(r"custom_checkpoint_\d+\.pkl")
+
+
+class ShmStateSaver:
+    """``save_state``/``load_state`` for an `Accelerator`, the model and optimizer state written
+    asynchronously by a pyshmckpt `Checkpointer`.
+
+    ``save_state(output_dir)`` saves what ``accelerator.save_state(output_dir)`` saves: every
+    prepared model, optimizer, scheduler and dataloader, the scaler, RNG states, ``step`` and
+    registered custom objects. It returns a Future once the state is staged (training may change
+    it right after); the Future resolves to the checkpoint's path once it is durable.
+    ``load_state(input_dir)`` first waits for pending saves, then restores all of it.
+
+    Directories follow the accelerator's `ProjectConfiguration`: with automatic checkpoint naming,
+    ``project_dir/checkpoints/checkpoint_<i>`` (``i`` is ``accelerator.save_iteration``, advanced
+    by each save as Accelerate does; ``output_dir`` is ignored, as Accelerate ignores it), and
+    ``total_limit`` keeps the newest committed checkpoints, an older one removed only after a
+    newer one is durable (never one being written); ``load_state()`` loads the newest. Without
+    it, ``output_dir`` is the checkpoint, created atomically; an existing one written by this
+    class is replaced atomically once the new one is durable (anything else there is refused).
+    A writer process runs per parent directory of checkpoints, started by its first save (with
+    automatic naming, here).
+
+    Processes (DDP, one process per device): as with Accelerate, the main process writes the
+    models and optimizers (replicated on every process); every process writes its own RNG state
+    and whatever else Accelerate writes per process, each as its ``rank<r>`` files of one
+    checkpoint on a filesystem every process shares, committed once all are durable. Every
+    process must call ``save_state`` and ``load_state`` (and, with automatic naming, construct
+    the saver) together. A process without a file of its own in the checkpoint (more processes
+    than saved it) takes the main process's files, and keeps its RNG state, as Accelerate does.
+
+    Not covered: FSDP, DeepSpeed, Megatron-LM and XLA (`NotSupportedError`: use
+    ``accelerator.save_state``), ``save_on_each_node`` with several processes, and hooks
+    registered with ``register_save_state_pre_hook``/``register_load_state_pre_hook`` (not
+    called). Accelerate's small files are loaded as Accelerate loads them (custom objects
+    unpickled): load only checkpoints you trust, as with ``accelerator.load_state``.
+
+    Args:
+        accelerator: the `Accelerator` whose prepared objects are saved.
+        slots, allow_pickle, direct_io, capacity_bytes, config, barrier_timeout: passed to the
+            `Checkpointer` (see there); ``allow_pickle`` also applies to loading. Optimizer state
+            is plain data; a model or optimizer holding other objects needs allow_pickle=True.
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        *,
+        slots: int = 2,
+        allow_pickle: bool = False,
+        direct_io: bool = False,
+        capacity_bytes: int | None = None,
+        config: CheckpointProcessConfig | Any = None,
+        barrier_timeout: float = 600.0,
+    ) -> None:
+        self._checkpointers: dict[Path, Checkpointer] = {}
+        self._closed = True
+        if not isinstance(accelerator, Accelerator):
+            raise ConfigTypeError(
+                f"accelerator must be an accelerate.Accelerator, not {type(accelerator).__name__}"
+            )
+        if accelerator.distributed_type not in SUPPORTED:
+            raise NotSupportedError(
+                f"ShmStateSaver does not save {accelerator.distributed_type.value} state "
+                "(supported: one process, DDP): use accelerator.save_state"
+            )
+        project = accelerator.project_configuration
+        if project.save_on_each_node and accelerator.num_processes > 1:
+            raise NotSupportedError(
+                "save_on_each_node: ShmStateSaver writes one checkpoint on a filesystem every "
+                "process shares"
+            )
+        if project.automatic_checkpoint_naming and project.project_dir is None:
+            raise ConfigError("automatic_checkpoint_naming needs a project_dir")
+        self._accelerator = accelerator
+        self._allow_pickle = bool(allow_pickle)
+        self._options: dict[str, Any] = {
+            "slots": slots, "allow_pickle": allow_pickle, "direct_io": direct_io,
+            "capacity_bytes": capacity_bytes, "config": config, "barrier_timeout": barrier_timeout,
+        }  # fmt: skip
+        self._pending: list[Future[Path]] = []
+        self._closed = False
+        if project.automatic_checkpoint_naming:
+            self._checkpointer_under(Path(project.project_dir) / CHECKPOINTS)
+
+    def save_state(self, output_dir: str | os.PathLike[str] | None = None) -> Future[Path]:
+        """Save the accelerator's state as ``accelerator.save_state(output_dir)`` would.
+
+        Returns once the state is staged; the Future resolves to the checkpoint directory once it
+        is durable, or fails with the write's error. Raises at once for a missing or existing
+        output_dir (or checkpoint_<i>), or one outside the saver's directory.
+        """
+        accelerator = self._accelerator
+        project = accelerator.project_configuration
+        if project.automatic_checkpoint_naming:
+            root = Path(project.project_dir) / CHECKPOINTS
+            name = f"checkpoint_{accelerator.save_iteration}"
+        else:
+            if output_dir is None:
+                raise ConfigError("no output_dir given and automatic checkpoint naming is off")
+            path = _as_path(output_dir, "output_dir")
+            root, name = path.parent, path.name
+        # Accelerate writes into an existing output_dir (it refuses an existing checkpoint_<i>):
+        # one of ours is replaced atomically, anything else is refused.
+        overwrite = not project.automatic_checkpoint_naming
+        checkpointer = self._checkpointer_under(root)
+        state: dict[str, Any] = {"accelerate_files": self._accelerate_files()}
+        if accelerator.process_index == 0:
+            state["models"] = [
+                accelerator.get_state_dict(model, unwrap=False) for model in accelerator._models
+            ]
+            state["optimizers"] = [optimizer.state_dict() for optimizer in accelerator._optimizers]
+        future = checkpointer.save(state, name, overwrite=overwrite)
+        project.iteration += 1
+        self._pending = [f for f in self._pending if not f.done()] + [future]
+        logger.info("staged the accelerator's state for %s", checkpointer.root / name)
+        return future
+
+    def load_state(self, input_dir: str | os.PathLike[str] | None = None) -> Path:
+        """Restore what `save_state` saved, as ``accelerator.load_state(input_dir)`` would.
+
+        Waits for pending saves first. Without input_dir (automatic naming), loads the newest
+        checkpoint. Returns the directory loaded. Raises PathNotFoundError for a missing one,
+        CheckpointCorruptError for a directory this class did not write, and
+        CheckpointMismatchError when the accelerator holds other objects than were saved.
+        """
+        self._check_open()
+        concurrent.futures.wait(self._pending)  # each write is bounded by its write timeout
+        directory = self._source(input_dir)
+        accelerator = self._accelerator
+        rank = accelerator.process_index
+        main = self._read(directory, 0)
+        own = main if rank == 0 or rank not in ranks(directory) else self._read(directory, rank)
+        # A process's own files (its RNG state) over the main process's (schedulers, ...).
+        files = {**main["accelerate_files"], **own["accelerate_files"]}
+        self._check_fits(directory, main, files)  # before anything changes
+        for model, model_state in zip(accelerator._models, main["models"], strict=True):
+            model.load_state_dict(model_state)
+        for optimizer, optimizer_state in zip(
+            accelerator._optimizers, main["optimizers"], strict=True
+        ):
+            # Optimizers keep the tensors they are given: copies, not maps of the file (which
+            # would keep a removed checkpoint's disk space in use).
+            optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+        self._restore_accelerate_files(files)
+        logger.info("loaded the accelerator's state from %s", directory)
+        return directory
+
+    def wait(self, timeout: float | None = None) -> list[Path]:
+        """Wait for every pending save; returns their paths, raises the first failure."""
+        return [future.result(timeout=timeout) for future in self._pending]
+
+    def close(self, abort: bool = False) -> None:
+        """Finish (or, with abort=True, abandon) pending saves and stop the writer. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for checkpointer in self._checkpointers.values():
+            checkpointer.close(abort=abort)
+
+    def __enter__(self) -> ShmStateSaver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("ShmStateSaver is closed")
+
+    def _checkpointer_under(self, root: Path) -> Checkpointer:
+        """The Checkpointer writing under `root` (started on first use: with several processes,
+        every process gets here together, as it is a collective call)."""
+        self._check_open()
+        root = root.resolve()
+        checkpointer = self._checkpointers.get(root)
+        if checkpointer is None:
+            project = self._accelerator.project_configuration
+            total_limit = project.total_limit if project.automatic_checkpoint_naming else None
+            checkpointer = self._checkpointers[root] = Checkpointer(
+                root,
+                # Accelerate keeps the new checkpoint even with total_limit=0.
+                keep_last=None if total_limit is None else max(total_limit, 1),
+                rank=self._accelerator.process_index,
+                world_size=self._accelerator.num_processes,
+                **self._options,
+            )
+        return checkpointer
+
+    def _source(self, input_dir: str | os.PathLike[str] | None) -> Path:
+        if input_dir is not None:
+            directory = _as_path(input_dir, "input_dir")
+            if not directory.is_dir():
+                raise os_error(errno.ENOENT, f"no checkpoint directory {directory}", str(directory))
+            return directory
+        project = self._accelerator.project_configuration
+        if not project.automatic_checkpoint_naming:
+            raise ConfigError("no input_dir given and automatic checkpoint naming is off")
+        root = Path(project.project_dir) / CHECKPOINTS
+        newest = self._checkpointer_under(root).latest()
+        if newest is None:
+            raise os_error(errno.ENOENT, f"no committed checkpoint in {root}", str(root))
+        return newest
+
+    def _check_fits(self, directory: Path, main: dict[str, Any], files: dict[str, bytes]) -> None:
+        """Raise CheckpointMismatchError unless the checkpoint holds as many models, optimizers
+        and custom objects as the accelerator."""
+        accelerator = self._accelerator
+        counts = {
+            "models": (len(main["models"]), len(accelerator._models)),
+            "optimizers": (len(main["optimizers"]), len(accelerator._optimizers)),
+            "custom objects": (
+                sum(1 for name in files if _CUSTOM_FILE.fullmatch(name)),
+                len(accelerator._custom_objects),
+            ),
+        }
+        for kind, (saved, held) in counts.items():
+            if saved != held:
+                raise CheckpointMismatchError(
+                    f"{directory} holds {saved} {kind}, the accelerator {held}"
+                )
+
+    def _read(self, directory: Path, rank: int) -> dict[str, Any]:
+        if not (directory / file_names(0)[1]).exists():
+            raise CheckpointCorruptError(
+                str(directory),
+                "not a checkpoint written by ShmStateSaver (one of accelerator.save_state loads "
+                "with accelerator.load_state)",
+            )
+        state = load(directory, rank=rank, allow_pickle=self._allow_pickle)
+        lists = {"models", "optimizers"} if rank == 0 else set()
+        files = state.get("accelerate_files") if isinstance(state, dict) else None
+        if (
+            not isinstance(files, dict)
+            or set(state) != {"accelerate_files", *lists}
+            or not all(isinstance(state[key], list) for key in lists)
+            or not all(_plain_file_name(n) and type(d) is bytes for n, d in files.items())
+        ):
+            raise CheckpointCorruptError(
+                str(directory / file_names(rank)[1]), "not a checkpoint written by ShmStateSaver"
+            )
+        return state
+
+    def _accelerate_files(self) -> dict[str, bytes]:
+        """The files Accelerate writes for the small state, by name (its own writers)."""
+        accelerator = self._accelerator
+        with tempfile.TemporaryDirectory(prefix="pyshmckpt-accelerate-") as scratch:
+            save_accelerator_state(
+                scratch, [], [], accelerator._schedulers, accelerator._dataloaders,
+                accelerator.process_index, accelerator.step, accelerator.scaler,
+            )  # fmt: skip
+            for index, obj in enumerate(accelerator._custom_objects):
+                save_custom_state(obj, scratch, index)
+            return {p.name: p.read_bytes() for p in sorted(Path(scratch).iterdir())}
+
+    def _restore_accelerate_files(self, files: dict[str, bytes]) -> None:
+        """Hand the saved files to Accelerate's own loaders, as its checkpoint directory."""
+        accelerator = self._accelerator
+        with tempfile.TemporaryDirectory(prefix="pyshmckpt-accelerate-") as scratch:
+            for name, data in files.items():
+                Path(scratch, name).write_bytes(data)
+            overrides = load_accelerator_state(
+                scratch, [], [], accelerator._schedulers, accelerator._dataloaders,
+                accelerator.process_index, accelerator.scaler,
+            )  # fmt: skip
+            if "step" in overrides:
+                accelerator.step = overrides["step"]
+            for index, obj in enumerate(accelerator._custom_objects):
+                load_custom_state(obj, scratch, index)
+
+
+def _plain_file_name(name: Any) -> bool:
+    return (
+        isinstance(name, str)
+        and bool(name)
+        and "/" not in name
+        and "\0" not in name
+        and name not in (".", "..")
+    )
+
+
+def _as_path(value: Any, what: str) -> Path:
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigTypeError(f"{what} must be a path, not {type(value).__name__}")
+    return Path(value).expanduser().resolve()

@@ -1,0 +1,119 @@
+"""ShmStateSaver with the real Accelerate: a save is a snapshot of everything save_state saves,
+loading it into fresh objects restores it bitwise and resumes like an uninterrupted run (one
+process here, DDP on 2 processes under torchrun), automatic naming with total_limit, typed errors.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+pytest.register_assert_rewrite("accelerate_worker")  # its checks must hold under python -O too
+
+from accelerate.utils import ProjectConfiguration  # noqa: E402
+from accelerate_worker import build, save_load_resume, train  # noqa: E402
+
+import pyshmckpt  # noqa: E402
+from pyshmckpt.integrations.accelerate import ShmStateSaver  # noqa: E402
+
+from helpers import SAVE_TIMEOUT, bounded_config, child_env, free_port, visible  # noqa: E402
+
+WORKER = Path(__file__).with_name("accelerate_worker.py")
+RUN_TIMEOUT = 240  # seconds the 2-process run may take (about 10 here)
+
+
+def test_save_is_a_snapshot_and_resuming_matches_an_uninterrupted_run(tmp_path: Path) -> None:
+    save_load_resume(tmp_path)
+
+
+@pytest.mark.slow
+def test_ddp_on_two_processes_saves_every_rank_and_resumes(tmp_path: Path) -> None:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--max-restarts", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        str(WORKER), str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, env=child_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+
+
+def test_automatic_naming_keeps_the_newest_total_limit(tmp_path: Path) -> None:
+    project = ProjectConfiguration(
+        project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2
+    )
+    run = build(seed=3, project_config=project)
+    saved = []
+    with ShmStateSaver(run.accelerator, config=bounded_config()) as saver:
+        for _ in range(4):  # back to back: older ones are pruned while newer ones are written
+            train(run, 1)
+            saved.append({k: v.clone() for k, v in run.model.state_dict().items()})
+            saver.save_state()
+        paths = saver.wait(timeout=SAVE_TIMEOUT)
+        root = tmp_path / "checkpoints"
+        assert paths[-1] == root / "checkpoint_3"
+        assert run.accelerator.save_iteration == 4
+        assert visible(root) == ["checkpoint_2", "checkpoint_3"]
+        for index in (2, 3):
+            state = pyshmckpt.load(root / f"checkpoint_{index}")
+            for key, tensor in saved[index].items():
+                assert torch.equal(state["models"][0][key], tensor)
+        train(run, 1)
+        assert saver.load_state() == root / "checkpoint_3"  # the newest
+        for key, tensor in run.model.state_dict().items():
+            assert torch.equal(tensor, saved[3][key])
+        run.accelerator.project_configuration.iteration = 3
+        with pytest.raises(pyshmckpt.PathExistsError):
+            saver.save_state()
+        assert visible(root) == ["checkpoint_2", "checkpoint_3"]
+
+
+def test_bad_input_raises_typed_errors(tmp_path: Path) -> None:
+    with pytest.raises(pyshmckpt.ConfigTypeError):
+        ShmStateSaver(object())  # type: ignore[arg-type]
+    run = build(seed=4)
+    unnamed = ProjectConfiguration(automatic_checkpoint_naming=True)
+    with pytest.raises(pyshmckpt.ConfigError, match="project_dir"):
+        ShmStateSaver(build(seed=4, project_config=unnamed).accelerator)
+    theirs = tmp_path / "theirs"
+    run.accelerator.save_state(theirs)  # Accelerate's own format
+    saver = ShmStateSaver(run.accelerator, config=bounded_config())
+    try:
+        with pytest.raises(pyshmckpt.ConfigError, match="no output_dir"):
+            saver.save_state()
+        with pytest.raises(pyshmckpt.ConfigTypeError):
+            saver.save_state(7)  # type: ignore[arg-type]
+        with pytest.raises(pyshmckpt.ConfigError, match="no input_dir"):
+            saver.load_state()
+        with pytest.raises(pyshmckpt.PathNotFoundError):
+            saver.load_state(tmp_path / "missing")
+        with pytest.raises(pyshmckpt.CheckpointCorruptError, match="accelerator.load_state"):
+            saver.load_state(theirs)
+        ours = tmp_path / "ours"
+        saver.save_state(ours).result(timeout=SAVE_TIMEOUT)
+        with pytest.raises(pyshmckpt.PathExistsError, match="not a pyshmckpt checkpoint"):
+            saver.save_state(theirs)  # Accelerate's own directory is never replaced
+        train(run, 1)
+        replaced = saver.save_state(ours).result(timeout=SAVE_TIMEOUT)  # as Accelerate overwrites
+        assert torch.equal(
+            pyshmckpt.load(replaced)["models"][0]["0.weight"], run.model.state_dict()["0.weight"]
+        )
+        more = build(seed=5)
+        more.accelerator.prepare(torch.nn.Linear(2, 2))  # a second model
+        with (
+            ShmStateSaver(more.accelerator) as loader,
+            pytest.raises(pyshmckpt.CheckpointMismatchError, match="1 models, the accelerator 2"),
+        ):
+            loader.load_state(ours)
+    finally:
+        saver.close()
+    saver.close()  # idempotent
+    with pytest.raises(pyshmckpt.ClosedError):
+        saver.save_state(tmp_path / "after")
+    assert visible(tmp_path) == ["ours", "theirs"]
