@@ -21,21 +21,9 @@ from typing import Any
 from .errors import ClosedError, ConfigError, ConfigTypeError, from_os_error, os_error
 from .staging import ShmStager
 from .storage import commit, tree_codec, writer_spec
-from .transport import CheckpointProcess, CheckpointProcessConfig
+from .transport import CheckpointProcess, CheckpointProcessConfig, RankInfo, no_init
 
 logger = logging.getLogger(__name__)
-
-
-class _RankInfo:
-    """Stand-in for torch's RankInfo (only its two fields are read)."""
-
-    def __init__(self, global_rank: int = 0, global_world_size: int = 1) -> None:
-        self.global_rank = global_rank
-        self.global_world_size = global_world_size
-
-
-def _no_init() -> None:
-    pass
 
 
 def _place(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -191,7 +179,7 @@ class Checkpointer:
         base = config or CheckpointProcessConfig()
         try:
             self._process = CheckpointProcess(
-                _RankInfo(self.rank, self.world_size), base, _no_init, (), spec.factory, writer_args
+                RankInfo(self.rank, self.world_size), base, no_init, (), spec.factory, writer_args
             )
         except BaseException:
             self._stager.close()

@@ -238,7 +238,8 @@ class CommitError(PyshmckptError, RuntimeError):
 
 
 class CommitTimeoutError(CommitError, TimeoutError):
-    """A rank gave up waiting for the others (or for rank 0's commit) after the barrier timeout."""
+    """A commit waited past its timeout: a rank for the others (or for rank 0's commit) after
+    the barrier timeout, or a checkpoint engine for a tag's writes."""
 
 
 class CheckpointCorruptError(PyshmckptError, ValueError):

@@ -474,12 +474,12 @@ def test_a_new_dict_is_never_mistaken_for_a_dead_staged_one(tmp_path):
     """A slot keeps the id() of the staged dict it holds after that dict is gone; a new object at
     the same address must not be taken for it (CheckpointProcess.write used to write the old
     slot's contents for it)."""
-    from pyshmckpt.checkpointer import _no_init, _RankInfo
     from pyshmckpt.storage import TorchSaveWriter
+    from pyshmckpt.transport import RankInfo, no_init
 
     stager = pyshmckpt.ShmStager(slots=2)
     process = pyshmckpt.CheckpointProcess(
-        _RankInfo(), bounded_config(), _no_init, (), TorchSaveWriter, {}
+        RankInfo(), bounded_config(), no_init, (), TorchSaveWriter, {}
     )
     try:
         fresh: dict[str, torch.Tensor] | None = None

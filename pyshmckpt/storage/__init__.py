@@ -3,15 +3,16 @@
 Writers run in the writer process and are found by name in one registry (`writers`): the default
 safetensors writer persists straight from the slot (`safetensors_writer`, with the header in
 `safetensors_header` and the structure as JSON in `tree_codec`); torch's formats are in
-`torch_writers`. `commit` makes a checkpoint directory visible only once it is durable (one rank
-or several); `reader` loads and verifies.
+`torch_writers` (with `TorchFileWriter`, which writes one file at the exact path a framework
+chose: not a Checkpointer writer, so not in the registry). `commit` makes a checkpoint directory
+visible only once it is durable (one rank or several); `reader` loads and verifies.
 """
 
 from __future__ import annotations
 
 from .reader import load, verify
 from .safetensors_writer import SafetensorsWriter
-from .torch_writers import DcpWriter, TorchSaveWriter
+from .torch_writers import DcpWriter, TorchFileWriter, TorchSaveWriter
 from .writers import (
     SlotWriter,
     StateDictWriter,
@@ -41,6 +42,7 @@ __all__ = [
     "SafetensorsWriter",
     "SlotWriter",
     "StateDictWriter",
+    "TorchFileWriter",
     "TorchSaveWriter",
     "WriterSpec",
     "load",

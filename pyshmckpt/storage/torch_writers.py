@@ -1,12 +1,14 @@
-"""torch's formats as writers (`StateDictWriter`s), with the same atomic commit as the default."""
+"""torch's formats as writers (`StateDictWriter`s): torch.save and DCP checkpoint directories with
+the same atomic commit as the default, and torch.save to a file path a framework chose."""
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -70,6 +72,51 @@ class DcpWriter:
 
     def close(self) -> None:
         _wait_for_deletions()
+
+
+class TorchFileWriter:
+    """torch.save to exactly the file `path` names, atomically: into a temporary file beside it,
+    fsynced, renamed over `path`, then the directory and its parent fsynced (so that a directory
+    made just before, such as a DeepSpeed tag directory, is durable too). For frameworks that
+    name their own files; the directory must exist. A reader sees the old file or the whole new
+    one, never part of one; a write cut short leaves only a temporary (`temporaries`)."""
+
+    def __init__(self, rank_info: Any = None) -> None:
+        pass  # every rank writes the files it is given: nothing depends on the rank
+
+    def write(self, path: str, state_dict: Any, **kwargs: Any) -> None:
+        target = Path(path)
+        temp = target.with_name(f"{_temp_prefix(target)}{secrets.token_hex(8)}")
+        try:
+            with temp.open("xb") as file:
+                self.serialize(state_dict, file)
+                file.flush()
+                os.fsync(file.fileno())
+            temp.replace(target)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        commit.fsync_path(target.parent)
+        commit.fsync_path(target.parent.parent)
+
+    def serialize(self, state_dict: Any, file: BinaryIO) -> None:
+        """Write `state_dict` into the open temporary `file`: torch.save (override for another
+        format)."""
+        torch.save(state_dict, file)
+
+    @staticmethod
+    def temporaries(path: str | os.PathLike[str]) -> list[Path]:
+        """Temporary files that writes of `path` cut short (a killed writer) left beside it."""
+        target = Path(path)
+        prefix = _temp_prefix(target)
+        try:
+            return [p for p in target.parent.iterdir() if p.name.startswith(prefix)]
+        except FileNotFoundError:
+            return []
+
+
+def _temp_prefix(target: Path) -> str:
+    return f".{target.name}.tmp-"
 
 
 def _wait_for_deletions() -> None:

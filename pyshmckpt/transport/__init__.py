@@ -8,7 +8,7 @@ drop-in for torch's `CheckpointProcess`, which leases staged slots and hands the
 
 from __future__ import annotations
 
-from .checkpoint_process import CheckpointProcess, CheckpointProcessConfig
+from .checkpoint_process import CheckpointProcess, CheckpointProcessConfig, RankInfo, no_init
 from .parent import WriterProcess
 
-__all__ = ["CheckpointProcess", "CheckpointProcessConfig", "WriterProcess"]
+__all__ = ["CheckpointProcess", "CheckpointProcessConfig", "RankInfo", "WriterProcess", "no_init"]

@@ -34,6 +34,18 @@ from .parent import WriterProcess
 logger = logging.getLogger(__name__)
 
 
+class RankInfo:
+    """What torch's RankInfo gives a writer (its two fields), for callers without torch's."""
+
+    def __init__(self, global_rank: int = 0, global_world_size: int = 1) -> None:
+        self.global_rank = global_rank
+        self.global_world_size = global_world_size
+
+
+def no_init() -> None:
+    """A writer process's init function that does nothing."""
+
+
 @dataclasses.dataclass
 class CheckpointProcessConfig:
     """torch's two settings (same names and defaults) plus what the shared-memory path needs.
@@ -418,4 +430,4 @@ def _chain(inner: Future[Any], outer: Future[Any]) -> None:
     inner.add_done_callback(copy)
 
 
-__all__ = ["CheckpointProcess", "CheckpointProcessConfig", "WriterProcesses"]
+__all__ = ["CheckpointProcess", "CheckpointProcessConfig", "RankInfo", "WriterProcesses", "no_init"]

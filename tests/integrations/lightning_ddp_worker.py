@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
-from lightning_app import STEPS_PER_EPOCH, checkpoint_names, fit, same_parameters
 
 from pyshmckpt import cli
 from pyshmckpt.integrations.lightning import ShmCheckpointIO
+
+from lightning_app import STEPS_PER_EPOCH, checkpoint_names, fit, same_parameters
 
 
 def main() -> None:

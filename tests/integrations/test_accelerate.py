@@ -16,11 +16,11 @@ pytest.importorskip("accelerate")
 pytest.register_assert_rewrite("accelerate_worker")  # its checks must hold under python -O too
 
 from accelerate.utils import ProjectConfiguration  # noqa: E402
-from accelerate_worker import build, save_load_resume, train  # noqa: E402
 
 import pyshmckpt  # noqa: E402
 from pyshmckpt.integrations.accelerate import ShmStateSaver  # noqa: E402
 
+from accelerate_worker import build, save_load_resume, train  # noqa: E402
 from helpers import SAVE_TIMEOUT, bounded_config, child_env, free_port, visible  # noqa: E402
 
 WORKER = Path(__file__).with_name("accelerate_worker.py")

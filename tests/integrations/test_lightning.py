@@ -15,8 +15,6 @@ import torch
 
 pytest.importorskip("lightning")
 
-from lightning_app import STEPS_PER_EPOCH, Hyper, checkpoint_names, fit, same_parameters
-
 import pyshmckpt
 from pyshmckpt import cli
 from pyshmckpt.integrations.lightning import ShmCheckpointIO
@@ -31,6 +29,7 @@ from helpers import (
     register_slow_writer,
     small_tmpfs,
 )
+from lightning_app import STEPS_PER_EPOCH, Hyper, checkpoint_names, fit, same_parameters
 
 DDP_WORKER = Path(__file__).with_name("lightning_ddp_worker.py")
 TOP_K = {"every_n_train_steps": STEPS_PER_EPOCH, "save_top_k": 2, "monitor": "train_loss"}

@@ -1,0 +1,113 @@
+"""ShmCheckpointEngine with real DeepSpeed on CPU (gloo), and the TorchFileWriter it writes with.
+
+The DeepSpeed tests run deepspeed_worker.py (one process, or two ranks under torchrun) bounded by
+a timeout; its checks run in the processes and fail their exit status (its docstring lists
+them). DeepSpeed itself is never imported here: it would share the test process's
+torch.distributed state and warnings filters.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pyshmckpt import CheckpointProcess, WriterOSError
+from pyshmckpt.storage import TorchFileWriter
+
+from helpers import SAVE_TIMEOUT, bounded_config, child_env, failure_of, free_port, same_bytes
+
+WORKER = Path(__file__).with_name("deepspeed_worker.py")
+RUN_TIMEOUT = 240  # seconds one run may take (about 8 s for one rank, 20 s for two here)
+
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed"
+)
+
+
+def run(command: list[str], env: dict[str, str]) -> None:
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    if done.returncode != 0:
+        lines = (done.stdout + done.stderr).splitlines()
+        pytest.fail(f"{' '.join(command[-3:])} failed:\n" + "\n".join(lines[-40:]))
+    assert "passed" in done.stdout
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_stage0_one_rank_files_match_deepspeeds_and_resume_bitwise(tmp_path):
+    env = child_env()
+    env.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu",
+    )  # fmt: skip
+    run([sys.executable, str(WORKER), str(tmp_path), "resume0"], env)
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_stage1_two_ranks_resume_latest_only_when_durable_and_a_killed_writer(tmp_path):
+    # One launch for several checks: each launch costs seconds of start-up.
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--max-restarts", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        str(WORKER), str(tmp_path), "resume1", "commit",
+    ]  # fmt: skip
+    run(command, {**child_env(), "DS_ACCELERATOR": "cpu"})
+
+
+# -- TorchFileWriter --------------------------------------------------------------------------
+
+
+def no_init() -> None:
+    pass
+
+
+class FullDiskInWriter:
+    """A leaf that pickles in the trainer but fails to be saved in the writer process, as
+    torch.save meeting a full disk half-way through a file."""
+
+    def __init__(self, trainer: int) -> None:
+        self.trainer = trainer
+
+    def __reduce__(self) -> tuple[object, ...]:
+        if os.getpid() != self.trainer:
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+        return FullDiskInWriter, (self.trainer,)
+
+
+def test_torch_file_writer_replaces_the_file_at_its_path_atomically(tmp_path, trained):
+    model, _ = trained
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"the previous file")
+    process = CheckpointProcess(None, bounded_config(), no_init, (), TorchFileWriter, {})
+    try:
+        process.write(model.state_dict(), str(path)).result(timeout=SAVE_TIMEOUT)
+        loaded = torch.load(path, weights_only=True)
+        assert list(loaded) == list(model.state_dict())
+        assert all(same_bytes(loaded[k], v) for k, v in model.state_dict().items())
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
+
+        # A write failing half-way leaves the previous file and no temporary.
+        before = path.read_bytes()
+        state = {"x": torch.ones(1000), "full": FullDiskInWriter(os.getpid())}
+        failure = failure_of(process.write(state, str(path)))
+        assert isinstance(failure, WriterOSError)
+        assert failure.errno == errno.ENOSPC
+        assert path.read_bytes() == before
+        assert TorchFileWriter.temporaries(path) == []
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
+
+        # The directory is the caller's to make.
+        missing = tmp_path / "missing" / "model.pt"
+        failure = failure_of(process.write({"x": torch.ones(2)}, str(missing)))
+        assert isinstance(failure, WriterOSError)
+        assert failure.errno == errno.ENOENT
+    finally:
+        process.close()
