@@ -42,6 +42,7 @@ class TorchSaveWriter:
         commit.commit_directory(
             path, fill, self.keep_last, rank=self.rank, world_size=self.world_size,
             attempt=kwargs.get("attempt"), barrier_timeout=self.barrier_timeout,
+            replace=bool(kwargs.get("replace", False)),
         )  # fmt: skip
 
     def close(self) -> None:
@@ -68,7 +69,9 @@ class DcpWriter:
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.save(state_dict, checkpoint_id=os.fspath(temp), no_dist=True)
 
-        commit.commit_directory(path, fill, self.keep_last)
+        commit.commit_directory(
+            path, fill, self.keep_last, replace=bool(kwargs.get("replace", False))
+        )
 
     def close(self) -> None:
         _wait_for_deletions()
