@@ -14,9 +14,14 @@ them unless Lightning asks for ``weights_only=True``). Tensors are stored as saf
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import copy
 import logging
 import os
+import pickle
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -26,13 +31,15 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from ..checkpointer import Checkpointer
 from ..errors import (
+    CheckpointCorruptError,
     ConfigTypeError,
     NotSupportedError,
     PyshmckptError,
     WriterError,
     WriteTimeoutError,
+    from_os_error,
 )
-from ..storage import commit, load
+from ..storage import commit, load, writer_spec
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +48,12 @@ class ShmCheckpointIO(CheckpointIO):
     """Lightning CheckpointIO writing pyshmckpt checkpoints in the background.
 
     Args:
-        write_timeout: seconds ``remove_checkpoint``, ``load_checkpoint`` and ``teardown`` wait
-            for a pending write (of that path, or all of them) before raising.
-        **checkpointer_options: passed to each `pyshmckpt.Checkpointer` (``slots``,
-            ``capacity_bytes``, ``direct_io``, ``config``, ...). ``allow_pickle`` is on.
+        write_timeout: seconds ``load_checkpoint`` waits for a pending write of its path before
+            raising (``teardown`` waits for each write up to the writer's own write timeout,
+            ``config.write_timeout_secs``).
+        **checkpointer_options: passed to each `pyshmckpt.Checkpointer`: ``slots``,
+            ``capacity_bytes``, ``direct_io``, ``config``, ``writer`` (a safetensors writer).
+            ``allow_pickle`` is on; retention is ModelCheckpoint's, not ``keep_last``.
 
     Lightning calls ``save_checkpoint`` and ``remove_checkpoint`` on global rank 0 only, so the
     checkpoints are written by rank 0's writer process alone (under DDP every rank holds the
@@ -58,14 +67,29 @@ class ShmCheckpointIO(CheckpointIO):
         super().__init__()
         if isinstance(write_timeout, bool) or not isinstance(write_timeout, (int, float)):
             raise ConfigTypeError(f"write_timeout must be a number, not {write_timeout!r}")
-        if "rank" in checkpointer_options or "world_size" in checkpointer_options:
-            raise NotSupportedError("Lightning saves on rank 0 alone: rank/world_size are fixed")
+        refused = sorted(set(checkpointer_options) - _OPTIONS)
+        if refused:
+            raise NotSupportedError(
+                f"{type(self).__name__} takes {sorted(_OPTIONS)}, not {refused} (Lightning saves "
+                "on rank 0 alone, ModelCheckpoint decides what is kept, and load_checkpoint reads "
+                "the safetensors format)"
+            )
+        if not writer_spec(checkpointer_options.get("writer", "safetensors")).needs_plain_leaves:
+            raise NotSupportedError("ShmCheckpointIO needs a safetensors writer (load reads it)")
         self._options = {"allow_pickle": True, **checkpointer_options}
         self._write_timeout = float(write_timeout)
         self._checkpointers: dict[Path, Checkpointer] = {}
         self._pending: dict[Path, Future[Path]] = {}
         self._failure: BaseException | None = None
         self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Its settings only (Lightning's ddp_spawn pickles the Trainer for each process)."""
+        return {"write_timeout": self._write_timeout, "options": self._options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        options = {k: v for k, v in state["options"].items() if k != "allow_pickle"}
+        self.__init__(write_timeout=state["write_timeout"], **options)  # type: ignore[misc]
 
     # -- Lightning's CheckpointIO ----------------------------------------------------------------
 
@@ -91,48 +115,58 @@ class ShmCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         """The checkpoint dict Lightning saved at `path` (waiting for its write if pending).
 
-        Tensors come back on the CPU unless `map_location` names a device (a string or
-        torch.device); pickled leaves are loaded unless `weights_only` is True."""
+        Tensors are loaded into memory (not left mapped to the files, whose disk space a later
+        replacement would otherwise keep in use), on the CPU unless `map_location` names a
+        device (a string or torch.device); pickled leaves are loaded unless `weights_only` is
+        True. A ``.ckpt`` file (Lightning's own format, from a run without this plugin) is read
+        with ``torch.load`` as Lightning would."""
         target = _local_path(path)
         self._wait_for(target)
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
             raise NotSupportedError(
                 f"map_location must be a device (str or torch.device), not {map_location!r}"
             )
-        state = load(target, map_location=map_location, allow_pickle=weights_only is not True)
+        if target.is_file():
+            with _os_errors(f"cannot load {target}"):
+                try:
+                    state = torch.load(target, map_location=map_location, weights_only=weights_only)
+                except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+                    raise CheckpointCorruptError(str(target), f"torch.load failed: {exc}") from exc
+        else:
+            state = _in_memory(
+                load(target, map_location=map_location, allow_pickle=weights_only is not True)
+            )
         if not isinstance(state, dict):
             raise ConfigTypeError(f"{target} holds a {type(state).__name__}, not a checkpoint dict")
         return state
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove the checkpoint at `path`, after its pending write if any; it disappears at
-        once (renamed away), and its files are deleted in the background."""
+        """Remove the checkpoint at `path`: at once (renamed away, its files deleted in the
+        background), or, while its write is pending, once that write is committed, so the
+        training thread never waits for it."""
         target = _local_path(path)
         with self._lock:
-            pending = target in self._pending
-        if pending:
-            self._wait_for(target)
-        if target.is_dir() and not target.is_symlink():
-            commit.check_replaceable(target)  # a directory of ours, never someone else's
-            commit.remove(target.parent, target.name, background=True)
-        elif target.exists() or target.is_symlink():
-            target.unlink()  # a file Lightning wrote before this plugin was in use
-        elif not pending:
-            logger.warning(
-                "remove_checkpoint(%s): no such checkpoint (wrapped in AsyncCheckpointIO, its save "
-                "may still be queued in the wrapper's thread: %s needs no wrapper)",
-                target, type(self).__name__,
-            )  # fmt: skip
+            pending = self._pending.get(target)
+        if pending is not None:
+            pending.add_done_callback(lambda f: self._remove_after(target, f))
+        else:
+            self._remove_now(target)
         self._raise_failure()
 
     def teardown(self) -> None:
-        """Finish every pending write and stop the writer processes (started again by the next
-        save); raises the first write that failed."""
+        """Finish every pending write (and removal waiting for one) and stop the writer
+        processes (started again by the next save); raises the first failure."""
         with self._lock:
             checkpointers = list(self._checkpointers.values())
             self._checkpointers.clear()
+        errors: list[BaseException] = []
         for checkpointer in checkpointers:
-            checkpointer.close()
+            try:
+                checkpointer.close()
+            except PyshmckptError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
         self._raise_failure()
 
     # -- internals -------------------------------------------------------------------------------
@@ -150,11 +184,41 @@ class ShmCheckpointIO(CheckpointIO):
         with self._lock:
             if self._pending.get(target) is future:
                 del self._pending[target]
-            error = future.exception()
-            if error is not None and self._failure is None:
-                self._failure = error
+        error = future.exception()
         if error is not None:
-            logger.error("checkpoint %s failed: %s", target, error)
+            self._fail(f"checkpoint {target} failed", error)
+
+    def _fail(self, what: str, error: BaseException) -> None:
+        logger.error("%s: %s", what, error)
+        with self._lock:
+            if self._failure is None:
+                self._failure = error
+
+    def _remove_after(self, target: Path, write: Future[Path]) -> None:
+        """Remove `target` once its write is over, unless a newer save of it is pending (a save
+        after the removal: the newer checkpoint stays)."""
+        with self._lock:
+            newer = self._pending.get(target) not in (None, write)
+        if not newer:
+            try:
+                self._remove_now(target)
+            except PyshmckptError as exc:
+                self._fail(f"could not remove checkpoint {target}", exc)
+
+    def _remove_now(self, target: Path) -> None:
+        with _os_errors(f"cannot remove checkpoint {target}"):
+            if target.is_dir() and not target.is_symlink():
+                # Whatever Lightning asks to remove, as its own CheckpointIO removes it (a
+                # directory another strategy wrote too), but atomically.
+                commit.remove(target.parent, target.name, background=True)
+            elif target.exists() or target.is_symlink():
+                target.unlink()  # a file Lightning wrote before this plugin was in use
+            else:
+                logger.warning(
+                    "remove_checkpoint(%s): no such checkpoint (wrapped in AsyncCheckpointIO, its "
+                    "save may still be queued in the wrapper's thread: %s needs no wrapper)",
+                    target, type(self).__name__,
+                )  # fmt: skip
 
     def _wait_for(self, target: Path) -> None:
         with self._lock:
@@ -162,7 +226,7 @@ class ShmCheckpointIO(CheckpointIO):
         if future is not None:
             try:
                 future.exception(timeout=self._write_timeout)  # its failure is raised below
-            except TimeoutError:
+            except concurrent.futures.TimeoutError:  # the builtin TimeoutError from 3.11 on
                 raise WriteTimeoutError(
                     f"checkpoint {target} was still being written after {self._write_timeout:g} s"
                 ) from None
@@ -175,6 +239,33 @@ class ShmCheckpointIO(CheckpointIO):
             raise failure
         if failure is not None:
             raise WriterError(f"a checkpoint write failed: {failure!r}") from failure
+
+
+_OPTIONS = frozenset({"slots", "capacity_bytes", "direct_io", "config", "writer"})
+
+
+@contextlib.contextmanager
+def _os_errors(what: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        raise from_os_error(exc, what) from exc
+
+
+def _in_memory(value: Any) -> Any:
+    """`value` with every tensor copied into memory (loaded tensors map the files)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        copied = copy.copy(value)  # keeps the mapping's type (OrderedDict, AttributeDict)
+        for key, item in value.items():
+            copied[key] = _in_memory(item)
+        return copied
+    if isinstance(value, list):
+        return [_in_memory(item) for item in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_in_memory(item) for item in value)
+    return value
 
 
 def _local_path(path: Any) -> Path:

@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+REPLACED_PREFIX = ".replaced-"  # a checkpoint moved aside while a newer one takes its name
 FAILED_PREFIX = ".failed-"
 LATEST = "latest"
 COMMIT_RECORD = "commit.json"
@@ -121,8 +122,8 @@ def commit(
     `final_dir` must not exist, unless `replace` is set and it is a committed checkpoint: then
     the two are exchanged atomically (renameat2 RENAME_EXCHANGE, so the name always holds one
     complete checkpoint) and the old one is deleted in the background. Where the filesystem
-    cannot exchange, the old one is renamed away first: a crash between the two renames leaves
-    the name empty, the old checkpoint in a .trash-* directory.
+    cannot exchange, the old one is renamed aside first (``.replaced-<name>-*``): a crash
+    between the two renames leaves the name empty, and `clean_leftovers` puts the old one back.
     """
     root = final_dir.parent
     exists = final_dir.exists() or final_dir.is_symlink()
@@ -148,10 +149,14 @@ def commit(
     elif _exchange(temp_dir, final_dir):
         _delete(temp_dir, background=True)  # it now holds the replaced checkpoint
     else:
-        trash = root / f"{TRASH_PREFIX}{final_dir.name}-{secrets.token_hex(8)}"
-        final_dir.rename(trash)
-        temp_dir.rename(final_dir)
-        _delete(trash, background=True)
+        aside = root / f"{REPLACED_PREFIX}{final_dir.name}-{secrets.token_hex(8)}"
+        final_dir.rename(aside)
+        try:
+            temp_dir.rename(final_dir)
+        except BaseException:
+            aside.rename(final_dir)
+            raise
+        _delete(aside, background=True)
     fsync_path(root)
     logger.debug("committed %s (sequence %d)%s", final_dir, sequence, " over the old" * exists)
 
@@ -159,7 +164,11 @@ def commit(
 def check_replaceable(path: Path) -> None:
     """Raise unless `path` is a committed checkpoint (what ``replace`` may overwrite): never
     replace a file or directory of someone else's."""
-    if path.is_symlink() or not (path / COMMIT_RECORD).is_file():
+    record: Any = None
+    if not path.is_symlink():
+        with contextlib.suppress(OSError, ValueError):
+            record = json.loads((path / COMMIT_RECORD).read_text())
+    if not (isinstance(record, dict) and record.get("name") == path.name):
         raise os_error(
             errno.EEXIST,
             f"{path} exists and is not a pyshmckpt checkpoint: not replacing it",
@@ -311,11 +320,20 @@ def _being_written(directory: Path) -> bool:
 
 def clean_leftovers(root: Path) -> list[str]:
     """Remove temporaries a crash left behind (unfinished checkpoints, trash, link temporaries),
-    except checkpoints a live writer is still writing (see `in_use`)."""
+    except checkpoints a live writer is still writing (see `in_use`); a checkpoint a crash left
+    renamed aside while being replaced goes back to its name if nothing took it."""
     removed = []
     for entry in os.scandir(root):
-        if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX, FAILED_PREFIX, f".{LATEST}-")):
-            path = Path(entry.path)
+        path = Path(entry.path)
+        if entry.name.startswith(REPLACED_PREFIX):
+            name = entry.name[len(REPLACED_PREFIX) :].rsplit("-", 1)[0]
+            if not ((root / name).exists() or (root / name).is_symlink()):
+                path.rename(root / name)
+                logger.warning("put back %s, left aside by a replacement that crashed", name)
+                continue
+        if entry.name.startswith(
+            (TMP_PREFIX, TRASH_PREFIX, FAILED_PREFIX, REPLACED_PREFIX, f".{LATEST}-")
+        ):
             if path.is_dir() and not path.is_symlink():
                 if entry.name.startswith(TMP_PREFIX) and _being_written(path):
                     logger.info("left %s alone: a writer is still finishing it", entry.name)

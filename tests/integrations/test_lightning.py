@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,6 @@ pytest.importorskip("lightning")
 import pyshmckpt
 from pyshmckpt import cli
 from pyshmckpt.integrations.lightning import ShmCheckpointIO
-from pyshmckpt.storage import commit
 
 from helpers import (
     SAVE_TIMEOUT,
@@ -28,6 +28,7 @@ from helpers import (
     hidden,
     register_slow_writer,
     small_tmpfs,
+    wait_until,
 )
 from lightning_app import STEPS_PER_EPOCH, Hyper, checkpoint_names, fit, same_parameters
 
@@ -55,7 +56,7 @@ def test_kept_checkpoints_are_lightnings_choice_and_resuming_continues_bitwise(t
     assert sorted(Path(p).name for p in callback.best_k_models) == sorted(
         Path(p).name for p in reference_callback.best_k_models
     )
-    assert hidden(ours) == []
+    wait_until(lambda: hidden(ours) == [], SAVE_TIMEOUT, "removed checkpoints' deletion")
     for name in kept:
         assert (ours / name).is_dir()
         assert cli.main(["verify", str(ours / name)]) == 0
@@ -91,16 +92,18 @@ def test_remove_and_load_wait_for_the_pending_write(tmp_path):
         assert loaded["hyper"] == Hyper(3)
 
         io.save_checkpoint(state, tmp_path / "b.ckpt")
-        io.remove_checkpoint(tmp_path / "b.ckpt")  # still being written
-        assert not (tmp_path / "b.ckpt").exists()
+        io.remove_checkpoint(tmp_path / "b.ckpt")  # still being written: removed once committed
+        io.save_checkpoint(state, tmp_path / "d.ckpt")
+        io.remove_checkpoint(tmp_path / "d.ckpt")
+        io.save_checkpoint(state, tmp_path / "d.ckpt")  # saved again after its removal: kept
 
         io.save_checkpoint(state, tmp_path / "a.ckpt")  # replaces a.ckpt once durable
         io.teardown()
         assert torch.equal(
             io.load_checkpoint(tmp_path / "a.ckpt")["state_dict"]["w"], state["state_dict"]["w"]
         )
-        assert commit.wait_for_deletions(30.0)
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt", "latest"]
+        wait_until(lambda: hidden(tmp_path) == [], SAVE_TIMEOUT, "removed checkpoints' deletion")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt", "d.ckpt", "latest"]
 
         # Saving after teardown starts a writer again (a second fit on the same Trainer).
         io.save_checkpoint(state, tmp_path / "c.ckpt")
@@ -129,8 +132,9 @@ def test_a_failed_write_is_raised_by_the_next_call(tmp_path):
 
 
 def test_bad_input_is_refused_with_typed_errors(tmp_path, caplog):
-    with pytest.raises(pyshmckpt.NotSupportedError, match="rank"):
-        ShmCheckpointIO(rank=1)
+    for option in ({"rank": 1}, {"keep_last": 2}, {"writer": "torch"}):
+        with pytest.raises(pyshmckpt.NotSupportedError):
+            ShmCheckpointIO(**option)
     with pytest.raises(pyshmckpt.ConfigTypeError, match="write_timeout"):
         ShmCheckpointIO(write_timeout="soon")
     io = shm_io()
@@ -141,10 +145,15 @@ def test_bad_input_is_refused_with_typed_errors(tmp_path, caplog):
             io.save_checkpoint({}, "s3://bucket/a.ckpt")
         with pytest.raises(pyshmckpt.ConfigTypeError, match="path"):
             io.save_checkpoint({}, 42)
-        (tmp_path / "theirs.ckpt").write_bytes(b"torch.save of another run")
+        torch.save({"w": torch.zeros(2), "epoch": 3}, tmp_path / "theirs.ckpt")  # a run without us
         with pytest.raises(pyshmckpt.PathExistsError, match="not a pyshmckpt checkpoint"):
             io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "theirs.ckpt")
-        assert (tmp_path / "theirs.ckpt").read_bytes() == b"torch.save of another run"
+        theirs = io.load_checkpoint(tmp_path / "theirs.ckpt")  # read as Lightning would
+        assert torch.equal(theirs["w"], torch.zeros(2))
+        assert theirs["epoch"] == 3
+        (tmp_path / "garbage.ckpt").write_bytes(b"not a checkpoint")
+        with pytest.raises(pyshmckpt.PyshmckptError):
+            io.load_checkpoint(tmp_path / "garbage.ckpt")
 
         io.save_checkpoint({"w": torch.ones(2), "hyper": Hyper(1)}, tmp_path / "a.ckpt")
         with pytest.raises(pyshmckpt.CheckpointCorruptError, match="allow_pickle"):
@@ -156,6 +165,12 @@ def test_bad_input_is_refused_with_typed_errors(tmp_path, caplog):
         assert "no such checkpoint" in caplog.text
         io.remove_checkpoint(tmp_path / "theirs.ckpt")  # a file: removed like Lightning's own
         assert not (tmp_path / "theirs.ckpt").exists()
+
+        # Lightning's ddp_spawn pickles the Trainer, with its plugins.
+        copied = pickle.loads(pickle.dumps(io))
+        copied.save_checkpoint({"w": torch.ones(3)}, tmp_path / "copied.ckpt")
+        assert torch.equal(copied.load_checkpoint(tmp_path / "copied.ckpt")["w"], torch.ones(3))
+        copied.teardown()
     finally:
         io.teardown()
 
