@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import tempfile
+import threading
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -45,15 +46,19 @@ from accelerate.utils import DistributedType
 
 from ..checkpointer import Checkpointer
 from ..errors import (
+    CheckpointAbortedError,
     CheckpointCorruptError,
     CheckpointMismatchError,
     ClosedError,
     ConfigError,
     ConfigTypeError,
     NotSupportedError,
+    PyshmckptError,
+    WriterError,
+    WriteTimeoutError,
     os_error,
 )
-from ..storage import load
+from ..storage import commit, load
 from ..storage.reader import ranks
 from ..storage.safetensors_writer import file_names
 from ..transport import CheckpointProcessConfig
@@ -87,8 +92,13 @@ class ShmStateSaver:
     newer one is durable (never one being written); ``load_state()`` loads the newest. Without
     it, ``output_dir`` is the checkpoint, created atomically; an existing one written by this
     class is replaced atomically once the new one is durable (anything else there is refused).
-    A writer process runs per parent directory of checkpoints, started by its first save (with
-    automatic naming, here).
+    One writer process runs at a time, for the parent directory of the last save (with automatic
+    naming, ``project_dir/checkpoints``, started here): a save under another directory first
+    finishes the pending writes of the previous one and stops its writer.
+
+    A save that fails (a full disk, a writer error) is logged at once and raised, as a
+    `PyshmckptError`, by the next ``save_state``, ``wait``, ``load_state`` or ``close``; the
+    saver stays usable.
 
     Processes (DDP, one process per device): as with Accelerate, the main process writes the
     models and optimizers (replicated on every process); every process writes its own RNG state
@@ -122,7 +132,7 @@ class ShmStateSaver:
         config: CheckpointProcessConfig | Any = None,
         barrier_timeout: float = 600.0,
     ) -> None:
-        self._checkpointers: dict[Path, Checkpointer] = {}
+        self._checkpointer: Checkpointer | None = None
         self._closed = True
         if not isinstance(accelerator, Accelerator):
             raise ConfigTypeError(
@@ -147,7 +157,10 @@ class ShmStateSaver:
             "slots": slots, "allow_pickle": allow_pickle, "direct_io": direct_io,
             "capacity_bytes": capacity_bytes, "config": config, "barrier_timeout": barrier_timeout,
         }  # fmt: skip
-        self._pending: list[Future[Path]] = []
+        self._pending: list[Future[Path]] = []  # what wait() waits for
+        self._unsettled: dict[Future[Path], Path] = {}  # saves whose outcome is not recorded yet
+        self._failure: BaseException | None = None  # the first failed save not raised yet
+        self._lock = threading.Lock()
         self._closed = False
         if project.automatic_checkpoint_naming:
             self._checkpointer_under(Path(project.project_dir) / CHECKPOINTS)
@@ -156,9 +169,11 @@ class ShmStateSaver:
         """Save the accelerator's state as ``accelerator.save_state(output_dir)`` would.
 
         Returns once the state is staged; the Future resolves to the checkpoint directory once it
-        is durable, or fails with the write's error. Raises at once for a missing or existing
-        output_dir (or checkpoint_<i>), or one outside the saver's directory.
+        is durable, or fails with the write's error. Raises at once, before saving anything, for
+        no output_dir (without automatic naming), an existing checkpoint_<i>, an existing
+        output_dir not written by this class, or an earlier save that failed.
         """
+        self._check_open()
         accelerator = self._accelerator
         project = accelerator.project_configuration
         if project.automatic_checkpoint_naming:
@@ -173,6 +188,7 @@ class ShmStateSaver:
         # one of ours is replaced atomically, anything else is refused.
         overwrite = not project.automatic_checkpoint_naming
         checkpointer = self._checkpointer_under(root)
+        self._raise_failure()
         state: dict[str, Any] = {"accelerate_files": self._accelerate_files()}
         if accelerator.process_index == 0:
             state["models"] = [
@@ -181,20 +197,25 @@ class ShmStateSaver:
             state["optimizers"] = [optimizer.state_dict() for optimizer in accelerator._optimizers]
         future = checkpointer.save(state, name, overwrite=overwrite)
         project.iteration += 1
-        self._pending = [f for f in self._pending if not f.done()] + [future]
-        logger.info("staged the accelerator's state for %s", checkpointer.root / name)
+        target = checkpointer.root / name
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()] + [future]
+            self._unsettled[future] = target
+        future.add_done_callback(self._settle)
+        logger.info("staged the accelerator's state for %s", target)
         return future
 
     def load_state(self, input_dir: str | os.PathLike[str] | None = None) -> Path:
         """Restore what `save_state` saved, as ``accelerator.load_state(input_dir)`` would.
 
-        Waits for pending saves first. Without input_dir (automatic naming), loads the newest
-        checkpoint. Returns the directory loaded. Raises PathNotFoundError for a missing one,
-        CheckpointCorruptError for a directory this class did not write, and
-        CheckpointMismatchError when the accelerator holds other objects than were saved.
+        Waits for pending saves first, and raises the first that failed. Without input_dir
+        (automatic naming), loads the newest checkpoint. Returns the directory loaded. Raises
+        PathNotFoundError for a missing one, CheckpointCorruptError for a directory this class
+        did not write, and CheckpointMismatchError when the accelerator holds other objects
+        than were saved.
         """
         self._check_open()
-        concurrent.futures.wait(self._pending)  # each write is bounded by its write timeout
+        self.wait()  # each write is bounded by its write timeout
         directory = self._source(input_dir)
         accelerator = self._accelerator
         rank = accelerator.process_index
@@ -216,16 +237,33 @@ class ShmStateSaver:
         return directory
 
     def wait(self, timeout: float | None = None) -> list[Path]:
-        """Wait for every pending save; returns their paths, raises the first failure."""
-        return [future.result(timeout=timeout) for future in self._pending]
+        """Wait for the last save and those pending then; returns their paths.
+
+        Raises the first save that failed (not raised yet), and WriteTimeoutError when they are
+        not all durable within `timeout` seconds (they go on).
+        """
+        with self._lock:
+            pending = list(self._pending)
+        _, unfinished = concurrent.futures.wait(pending, timeout)
+        self._raise_failure()
+        if unfinished:
+            raise WriteTimeoutError(
+                f"{len(unfinished)} checkpoint(s) still being written after {timeout:g} s"
+            )
+        return [future.result() for future in pending]
 
     def close(self, abort: bool = False) -> None:
-        """Finish (or, with abort=True, abandon) pending saves and stop the writer. Idempotent."""
+        """Finish (or, with abort=True, abandon) pending saves and stop the writer; raises the
+        first save that failed (not raised yet). Idempotent."""
         if self._closed:
             return
         self._closed = True
-        for checkpointer in self._checkpointers.values():
-            checkpointer.close(abort=abort)
+        checkpointer, self._checkpointer = self._checkpointer, None
+        try:
+            if checkpointer is not None:
+                checkpointer.close(abort=abort)
+        finally:
+            self._raise_failure()
 
     def __enter__(self) -> ShmStateSaver:
         return self
@@ -238,23 +276,57 @@ class ShmStateSaver:
             raise ClosedError("ShmStateSaver is closed")
 
     def _checkpointer_under(self, root: Path) -> Checkpointer:
-        """The Checkpointer writing under `root` (started on first use: with several processes,
-        every process gets here together, as it is a collective call)."""
+        """The Checkpointer writing under `root`: the open one, or a new one once the previous
+        root's is closed (its pending writes finished). With several processes, every process
+        gets here together: starting one is a collective call."""
         self._check_open()
         root = root.resolve()
-        checkpointer = self._checkpointers.get(root)
-        if checkpointer is None:
-            project = self._accelerator.project_configuration
-            total_limit = project.total_limit if project.automatic_checkpoint_naming else None
-            checkpointer = self._checkpointers[root] = Checkpointer(
-                root,
-                # Accelerate keeps the new checkpoint even with total_limit=0.
-                keep_last=None if total_limit is None else max(total_limit, 1),
-                rank=self._accelerator.process_index,
-                world_size=self._accelerator.num_processes,
-                **self._options,
-            )
-        return checkpointer
+        previous = self._checkpointer
+        if previous is not None and previous.root == root:
+            return previous
+        self._checkpointer = None
+        if previous is not None:
+            logger.info("finishing the writes under %s before saving under %s", previous.root, root)
+            previous.close()  # its failures are recorded by their Futures' callbacks
+        project = self._accelerator.project_configuration
+        total_limit = project.total_limit if project.automatic_checkpoint_naming else None
+        self._checkpointer = Checkpointer(
+            root,
+            # Accelerate keeps the new checkpoint even with total_limit=0.
+            keep_last=None if total_limit is None else max(total_limit, 1),
+            rank=self._accelerator.process_index,
+            world_size=self._accelerator.num_processes,
+            **self._options,
+        )
+        return self._checkpointer
+
+    def _settle(self, future: Future[Path]) -> None:
+        """Record the outcome of a finished save once (its done-callback, or whoever sees it
+        finished first): a failure is logged, and kept to be raised if it is the first."""
+        with self._lock:
+            target = self._unsettled.pop(future, None)
+            error = None if target is None else future.exception()
+            if error is None or isinstance(error, CheckpointAbortedError):
+                return  # succeeded, settled already, or abandoned by close(abort=True)
+            if future in self._pending:
+                self._pending.remove(future)  # raised once, never again by wait()
+            if self._failure is None:
+                self._failure = error
+            # Logged before anyone can raise it, so that the log never lags behind the error.
+            logger.error("saving the accelerator's state to %s failed: %s", target, error)
+
+    def _raise_failure(self) -> None:
+        """Raise the first failed save not raised yet (as a PyshmckptError), and forget it."""
+        with self._lock:
+            finished = [future for future in self._unsettled if future.done()]
+        for future in finished:  # their callbacks may not have run yet
+            self._settle(future)
+        with self._lock:
+            failure, self._failure = self._failure, None
+        if isinstance(failure, PyshmckptError):
+            raise failure
+        if failure is not None:
+            raise WriterError(f"saving the accelerator's state failed: {failure!r}") from failure
 
     def _source(self, input_dir: str | os.PathLike[str] | None) -> Path:
         if input_dir is not None:
@@ -265,8 +337,8 @@ class ShmStateSaver:
         project = self._accelerator.project_configuration
         if not project.automatic_checkpoint_naming:
             raise ConfigError("no input_dir given and automatic checkpoint naming is off")
-        root = Path(project.project_dir) / CHECKPOINTS
-        newest = self._checkpointer_under(root).latest()
+        root = (Path(project.project_dir) / CHECKPOINTS).resolve()
+        newest = commit.latest(root)
         if newest is None:
             raise os_error(errno.ENOENT, f"no committed checkpoint in {root}", str(root))
         return newest

@@ -18,6 +18,8 @@ DeepSpeed's path, with ``torch.save``, atomically (a temporary file, fsync, rena
 directory). DeepSpeed's own loader, its ``zero_to_fp32.py`` and ``torch.load(path,
 weights_only=False)`` read the files as they read ``TorchCheckpointEngine``'s; loading and
 everything else (file names, tags, what each rank saves, ``zero_to_fp32.py``) stay DeepSpeed's.
+``save_checkpoint`` waits only for the copy, and for a free slot when both slots still hold
+files being written (backpressure, bounded by ``slot_timeout_secs``).
 
 ``latest``: DeepSpeed writes it itself, right after ``commit()`` returns. A plain engine's
 commit() runs inside ``save_checkpoint``, so it would have to wait there for the whole write.
@@ -25,20 +27,25 @@ This engine is therefore a *decoupled* one, like DeepSpeed's own ``DecoupledChec
 ``save_checkpoint`` returns without committing, and at each optimizer step DeepSpeed asks
 ``get_commit_info()`` whether a tag is ready to commit. The answer is yes only once every rank's
 files of the tag are durable (the ranks agree with one small all-reduce over a gloo group of this
-engine's own, only while a tag is pending), so ``commit()`` never waits for a write, no training
-step is blocked by one, and ``latest`` never names a tag of which a file is not durable. If a
-write of the tag failed (disk full, the writer killed), ``commit()`` raises `CommitError` on
-every rank at the same step and ``latest`` keeps naming the previous tag; the next save starts a
-new writer process. ``close()`` (``engine.destroy()`` calls it) finishes the pending writes and
-points ``latest`` at the newest durable tag.
+engine's own: at each step while a tag is pending, and at each save), so a step never waits for
+a write and ``latest`` never names a tag of which a file is not durable. If a write of a tag
+failed (disk full, the writer killed), the ranks agree on that at a step too: the step goes on
+normally, ``latest`` keeps naming the previous durable tag, and the next ``save_checkpoint``
+raises `CommitError` on every rank before it saves anything (`ShmCheckpointEngine.failure`
+shows it earlier); the save after that works, through a new writer process. ``close()``
+(``engine.destroy()`` calls it) finishes the pending writes, points ``latest`` at the newest
+durable tag and raises a failure not reported yet.
 
 Limits: a checkpoint staged before the trainer dies is still written by the writer process (see
 ``CheckpointProcessConfig.on_trainer_death``), but only a living trainer moves ``latest``: load
-such a tag by name. DeepSpeed finds a tag's model files by listing its directory, and a file
-appears there once durable: before ``engine.load_checkpoint`` of a tag this process has just
-saved, call ``wait()``. DeepSpeed tells a checkpoint engine nothing when ``save_checkpoint``
-raises half-way: a program that catches that and trains on should not rely on ``latest`` naming
-a complete tag.
+such a tag by name. DeepSpeed's ``PipelineEngine`` steps without asking a decoupled engine, so
+there ``latest`` moves only at ``close()``. A tag is written file by file: saving again (with
+``save_latest``, the default) to the tag ``latest`` names, or to one still being written, raises
+`NotSupportedError` (use a new tag, such as DeepSpeed's default ``global_step<N>``). DeepSpeed
+finds a tag's model files by listing its directory, and a file appears there once durable:
+before ``engine.load_checkpoint`` of a tag this process has just saved, call ``wait()``.
+DeepSpeed tells a checkpoint engine nothing when ``save_checkpoint`` raises half-way: a program
+that catches that and trains on should not rely on ``latest`` naming a complete tag.
 """
 
 from __future__ import annotations
@@ -59,7 +66,14 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
-from ..errors import ClosedError, CommitError, CommitTimeoutError, ConfigError
+from ..errors import (
+    ClosedError,
+    CommitError,
+    CommitTimeoutError,
+    ConfigError,
+    NotSupportedError,
+    from_os_error,
+)
 from ..storage import TorchFileWriter, commit
 from ..transport import CheckpointProcess, CheckpointProcessConfig, RankInfo, no_init
 
@@ -68,6 +82,8 @@ logger = logging.getLogger(__name__)
 # What a rank says of a tag; across ranks the largest value wins.
 _DURABLE, _FAILED, _PENDING = 0, 1, 2
 _LATEST = "latest"  # DeepSpeed's file naming the newest tag of a save directory
+# How long close() lets ranks wait for each other when writes have no time limit.
+_UNBOUNDED_WRITES = timedelta(hours=24)
 
 
 @dataclasses.dataclass
@@ -89,6 +105,10 @@ class _Tag:
             if future.done() and (exc := future.exception()) is not None
         ]
 
+    def names(self, info: Any) -> bool:
+        """Whether `info` saves to this tag's directory."""
+        return bool(info.tag == self.info.tag and _same_dir(info.save_dir, self.info.save_dir))
+
 
 class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed is untyped
     """A DeepSpeed ``CheckpointEngine`` that stages each file in shared memory and returns; a
@@ -102,8 +122,9 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         config: the writer process's settings (`CheckpointProcessConfig`: slots and their size,
             write timeout, restarts after a writer died, what happens to staged writes when the
             trainer dies). Two slots hold one tag's two files per rank (model and ZeRO states).
-        commit_timeout: seconds ``commit()`` of a tag (when DeepSpeed commits one directly),
-            ``load()`` of a file being written, and the ranks' agreement may wait.
+        commit_timeout: seconds ``commit()`` of a tag (when DeepSpeed commits one directly) and
+            ``load()`` of a file being written may wait, and ranks wait for each other to agree
+            (at close(), on top of the time their pending writes may take).
         writer: the writer built in the writer process for each file (`TorchFileWriter`, or a
             `StateDictWriter` class taking ``rank_info=``).
     """
@@ -126,40 +147,58 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         ):
             raise ConfigError(f"commit_timeout must be a positive number, not {commit_timeout!r}")
         self.commit_timeout = float(commit_timeout)
+        process_config = (
+            CheckpointProcessConfig() if config is None else CheckpointProcessConfig.of(config)
+        )
         initialized = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if initialized else 0
         self.world_size = dist.get_world_size() if initialized else 1
         # The ranks' agreement on which tags are durable never meets training's collectives.
         self._group = (
-            dist.new_group(backend="gloo", timeout=timedelta(seconds=self.commit_timeout))
+            dist.new_group(
+                backend="gloo", timeout=_agreement_timeout(process_config, commit_timeout)
+            )
             if self.world_size > 1
             else None
         )
         try:
             #: The writer process (``pid``, ``last_write_seconds``), restarted after it died.
             self.checkpoint_process = CheckpointProcess(
-                RankInfo(self.rank, self.world_size), config or CheckpointProcessConfig(),
-                no_init, (), writer, {},
-            )  # fmt: skip
+                RankInfo(self.rank, self.world_size), process_config, no_init, (), writer, {}
+            )
         except BaseException:
             self._destroy_group()
             raise
-        self._tags: list[_Tag] = []  # created and not yet committed, oldest first
+        self._tags: list[_Tag] = []  # created and not yet settled, oldest first
+        self._failed: list[_Tag] = []  # settled as failed (on some rank), not yet reported
         self._writes: dict[str, Future[None]] = {}  # the last write of each path
-        self._settled: tuple[Any, list[_Tag], list[int]] | None = None  # get_commit_info's
+        self._settled: Any = None  # the commit info get_commit_info() returned last
         self._closed = False
 
     # -- DeepSpeed's CheckpointEngine ---------------------------------------------------------
 
     def create(self, info: Any) -> None:
-        """A save of tag ``info.tag`` begins (DeepSpeed calls this on every rank)."""
+        """A save of tag ``info.tag`` begins (DeepSpeed calls this on every rank, before any
+        file). Raises `CommitError` (on every rank) for an earlier tag whose write failed, and
+        `NotSupportedError` for a tag that ``latest`` names or that is still being written."""
         self._check_open()
+        if self._failed:
+            failed, self._failed = self._failed, []
+            raise self._commit_error(failed, "this save was not started; the next one will be")
+        if info.save_latest:  # not save_16bit_model's, which writes beside the tags
+            refused = any(t.names(info) for t in self._tags) or _latest_names(info)
+            if self._agree([int(refused)], "a save's tag")[0]:
+                raise NotSupportedError(
+                    f"pyshmckpt cannot overwrite checkpoint {info.tag!r} in place: `latest` "
+                    "names it or it is still being written (on some rank); use a new tag"
+                )
         self._tags.append(_Tag(info))
 
     def save(self, state_dict: Any, path: str) -> None:
-        """Stage `state_dict` and hand its write to the writer process; returns once staged.
+        """Stage `state_dict` and hand its write to the writer process; returns once staged
+        (waiting, up to ``slot_timeout_secs``, for a slot when all hold files being written).
 
-        A write that fails (here or in the writer) fails the commit of its tag on every rank.
+        A write that fails (here or in the writer) fails its tag on every rank.
         """
         self._check_open()
         path = _absolute(path)
@@ -201,39 +240,47 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
 
         DeepSpeed calls this at every optimizer step on every rank. While tags are pending, the
         ranks agree (an all-reduce) on how many of the oldest are settled: written durably on
-        every rank, or failed somewhere. Returns the newest settled tag that asked for
-        ``latest`` (else the newest settled one): DeepSpeed then calls commit() and writes
-        ``latest``. Never waits for a write.
+        every rank, or failed somewhere. Failed ones are dropped (`failure`; the next save
+        raises it); returns the newest durable one that asked for ``latest`` (else the newest
+        durable one), which DeepSpeed then commits, writing ``latest``. Never waits for a write
+        and never raises for one.
         """
         self._settled = None
         if self._closed or not self._tags:
             return None
-        statuses = self._agree(self._tags)
+        statuses = self._agree([t.status() for t in self._tags], "which checkpoints are durable")
         ready = next((i for i, s in enumerate(statuses) if s == _PENDING), len(statuses))
-        if ready == 0:
+        settled = list(zip(self._tags[:ready], statuses[:ready], strict=True))
+        self._tags = self._tags[ready:]
+        failed = [t for t, s in settled if s == _FAILED]
+        if failed:
+            self._record_failed(failed)
+            logger.error("%s", self._commit_error(failed, "the next save raises this"))
+        durable = [t.info for t, s in settled if s == _DURABLE]
+        if not durable:
             return None
-        tags = self._tags[:ready]
-        info = next((t.info for t in reversed(tags) if t.info.save_latest), tags[-1].info)
-        self._settled = (info, tags, statuses[:ready])
-        return info
+        self._settled = next((info for info in reversed(durable) if info.save_latest), durable[-1])
+        return self._settled
 
     def commit(self, info: Any) -> bool:
         """Confirm that the tag of `info` is durable on every rank; DeepSpeed writes ``latest``
-        once this returns. Raises `CommitError` (on every rank) when a write of it failed.
+        once this returns.
 
-        After get_commit_info() this never waits. A tag DeepSpeed commits directly (a save of
-        the 16-bit model) is waited for, up to commit_timeout, on this rank.
+        After get_commit_info() this neither waits nor raises. A tag DeepSpeed commits directly
+        (a save of the 16-bit model) is waited for, up to commit_timeout, on this rank: raises
+        `CommitTimeoutError`, or `CommitError` when its write failed.
         """
         settled, self._settled = self._settled, None
-        if settled is not None and settled[0] is info:
-            _, tags, statuses = settled
-        else:
-            tags = [self._created(info)]
-            statuses = [self._wait(tags[0])]
-        self._tags = [t for t in self._tags if not any(t is s for s in tags)]
-        failed = [t for t, s in zip(tags, statuses, strict=True) if s == _FAILED]
-        if failed:
-            raise self._commit_error(failed)
+        if settled is not None and settled is info:
+            return True
+        tag = self._created(info)
+        try:
+            status = self._wait(tag)
+        finally:
+            self._tags = [t for t in self._tags if t is not tag]
+        if status == _FAILED:
+            self._remove_temporaries([tag])
+            raise self._commit_error([tag])
         return True
 
     def cleanup(self) -> None:
@@ -242,11 +289,17 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
 
     # -- pyshmckpt's own --------------------------------------------------------------------
 
+    @property
+    def failure(self) -> CommitError | None:
+        """The error the next save will raise: tags whose write failed (on some rank), as the
+        ranks agreed at an optimizer step; None when there are none."""
+        return self._commit_error(self._failed) if self._failed else None
+
     def close(self) -> None:
         """Finish every pending write, point each save directory's ``latest`` at its newest
         tag that is durable on every rank (rank 0 writes it, atomically), and stop the writer
-        process. Raises `CommitError` for tags that failed. Call it on every rank, like
-        ``engine.destroy()`` (which calls it). Idempotent."""
+        process. Raises `CommitError` for tags that failed and were not reported yet. Call it on
+        every rank, like ``engine.destroy()`` (which calls it). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -262,7 +315,7 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         """Wait (up to commit_timeout) until every file handed over so far is written or failed,
         for instance before ``engine.load_checkpoint`` of a tag this process just saved (DeepSpeed
         finds the model files by listing the directory). Failures and ``latest`` are still
-        DeepSpeed's next commit's (or close()'s) to report and move."""
+        DeepSpeed's next step's (or close()'s) to settle and move."""
         for tag in list(self._tags):
             self._wait(tag)
 
@@ -285,12 +338,16 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
 
         future.add_done_callback(report)
 
-    def _agree(self, tags: list[_Tag]) -> list[int]:
-        """Each tag's status on the worst-off rank (collective with several ranks)."""
-        statuses = torch.tensor([t.status() for t in tags], dtype=torch.int32)
+    def _agree(self, values: list[int], what: str) -> list[int]:
+        """Each value's largest across ranks (collective with several ranks)."""
+        tensor = torch.tensor(values, dtype=torch.int32)
         if self._group is not None:
-            dist.all_reduce(statuses, op=dist.ReduceOp.MAX, group=self._group)
-        return [int(s) for s in statuses.tolist()]
+            try:
+                dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group)
+            except RuntimeError as exc:  # torch.distributed's errors (DistError and gloo's)
+                error = CommitTimeoutError if "timed out" in str(exc).lower() else CommitError
+                raise error(f"the ranks could not agree on {what}: {exc}") from exc
+        return [int(v) for v in tensor.tolist()]
 
     def _created(self, info: Any) -> _Tag:
         for tag in reversed(self._tags):
@@ -308,9 +365,21 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
             )
         return tag.status()
 
-    def _commit_error(self, failed: list[_Tag]) -> CommitError:
-        """The error for tags a write failed for (here or on another rank); removes what the
-        failed writes of this rank left behind."""
+    def _record_failed(self, failed: list[_Tag]) -> None:
+        """Keep tags that failed for the next save (or close()) to report."""
+        self._remove_temporaries(failed)
+        self._failed += failed
+
+    def _remove_temporaries(self, failed: list[_Tag]) -> None:
+        """Remove what the failed writes of this rank left behind (unless written again)."""
+        for tag in failed:
+            for path, _ in tag.failures():
+                if self._writes.get(path) is None or self._writes[path].done():
+                    for temp in TorchFileWriter.temporaries(path):
+                        temp.unlink(missing_ok=True)
+
+    def _commit_error(self, failed: list[_Tag], consequence: str = "") -> CommitError:
+        """The error for tags a write failed for (here or on another rank)."""
         details: list[str] = []
         first: BaseException | None = None
         for tag in failed:
@@ -318,14 +387,12 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
             for path, exc in failures:
                 first = first or exc
                 details.append(f"{path}: {exc}")
-                if self._writes.get(path) is None or self._writes[path].done():
-                    for temp in TorchFileWriter.temporaries(path):
-                        temp.unlink(missing_ok=True)
             if not failures:
                 details.append(f"tag {tag.info.tag!r}: a write failed on another rank")
         tags = ", ".join(repr(t.info.tag) for t in failed)
         error = CommitError(
-            f"checkpoint {tags} was not saved (`latest` still names an earlier tag): "
+            f"checkpoint {tags} was not saved (`latest` still names an earlier tag"
+            + (f"; {consequence}): " if consequence else "): ")
             + "; ".join(details)
         )
         error.__cause__ = first
@@ -333,25 +400,24 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
 
     def _publish_latest(self) -> None:
         tags, self._tags = self._tags, []
-        if not tags:
-            return
-        if self._group is not None and not dist.is_initialized():
+        if tags and self._group is not None and not dist.is_initialized():
             logger.warning(
                 "torch.distributed was shut down before the checkpoint engine closed: `latest` "
                 "was not moved to tags %s",
                 [t.info.tag for t in tags],
             )
-            return
-        statuses = self._agree(tags)
-        newest: dict[str, str] = {}  # save directory -> its newest durable tag asking for latest
-        for tag, status in zip(tags, statuses, strict=True):
-            if status == _DURABLE and tag.info.save_latest:
-                newest[tag.info.save_dir] = tag.info.tag
-        if self.rank == 0:
-            for save_dir, name in newest.items():
-                _write_latest(Path(save_dir), name)
-        failed = [t for t, s in zip(tags, statuses, strict=True) if s != _DURABLE]
-        if failed:
+        elif tags:
+            statuses = self._agree([t.status() for t in tags], "which checkpoints are durable")
+            newest: dict[str, str] = {}  # save directory -> its newest durable tag for latest
+            for tag, status in zip(tags, statuses, strict=True):
+                if status == _DURABLE and tag.info.save_latest:
+                    newest[tag.info.save_dir] = tag.info.tag
+            if self.rank == 0:
+                for save_dir, name in newest.items():
+                    _write_latest(Path(save_dir), name)
+            self._record_failed([t for t, s in zip(tags, statuses, strict=True) if s != _DURABLE])
+        if self._failed:
+            failed, self._failed = self._failed, []
             raise self._commit_error(failed)
 
     def _destroy_group(self) -> None:
@@ -361,8 +427,33 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
                 dist.destroy_process_group(group)
 
 
+def _agreement_timeout(config: CheckpointProcessConfig, commit_timeout: float) -> timedelta:
+    """How long a rank may wait for the others in this engine's group: at close(), a rank may
+    first finish up to one write per slot, one after the other, each within the write timeout."""
+    if config.write_timeout_secs is None:
+        return _UNBOUNDED_WRITES + timedelta(seconds=commit_timeout)
+    return timedelta(seconds=config.slots * config.write_timeout_secs + commit_timeout)
+
+
 def _absolute(path: str | os.PathLike[str]) -> str:
     return str(Path(path).absolute())
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return _absolute(a) == _absolute(b)
+
+
+def _latest_names(info: Any) -> bool:
+    """Whether `info`'s tag directory exists and its save directory's ``latest`` names it."""
+    save_dir = Path(info.save_dir)
+    if not (save_dir / info.tag).exists():
+        return False
+    try:
+        return (save_dir / _LATEST).read_text().strip() == info.tag
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise from_os_error(exc, f"reading {save_dir / _LATEST}") from exc
 
 
 def _write_latest(save_dir: Path, tag: str) -> None:
@@ -374,10 +465,13 @@ def _write_latest(save_dir: Path, tag: str) -> None:
             file.flush()
             os.fsync(file.fileno())
         temp.replace(save_dir / _LATEST)
+        commit.fsync_path(save_dir)
+    except OSError as exc:
+        temp.unlink(missing_ok=True)
+        raise from_os_error(exc, f"writing {save_dir / _LATEST}") from exc
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-    commit.fsync_path(save_dir)
 
 
 def use_pyshmckpt(engine: Any, **options: Any) -> ShmCheckpointEngine:

@@ -11,9 +11,13 @@ CPU with gloo, checkpoints through pyshmckpt's ShmCheckpointEngine.
                       uninterrupted run; save_16bit_model's file is complete when it returns
     commit            the last rank's writer is slow: no step waits for it, `latest` never names
                       the tag before every rank's files are durable, then it does; load() of a
-                      file being written waits for it. Then that writer is SIGKILLed during a
-                      save: the next step fails with CommitError on every rank at once, `latest`
-                      keeps the previous tag, nothing half-written is left, the next save works
+                      file being written waits for it; saving again to the tag `latest` names or
+                      to one being written raises NotSupportedError and touches nothing. Then
+                      that writer is SIGKILLed during a save: the ranks notice within a few
+                      steps, which go on normally (no step skipped: the parameters equal a run
+                      that never saved, bitwise), `latest` keeps the previous tag, nothing
+                      half-written is left; the next save raises CommitError on every rank
+                      before saving anything, and the one after works
 
 Every failed check exits non-zero naming the rank. No bare assert: it runs under python -O too.
 """
@@ -24,6 +28,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +40,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder  # noqa: E402
 
-from pyshmckpt import CheckpointProcessConfig, CommitError  # noqa: E402
+from pyshmckpt import CheckpointProcessConfig, CommitError, NotSupportedError  # noqa: E402
 from pyshmckpt.integrations.deepspeed import use_pyshmckpt  # noqa: E402
 from pyshmckpt.storage import TorchFileWriter  # noqa: E402
 
@@ -243,6 +248,25 @@ def own_files(save_dir: Path, tag: str) -> list[Path]:
     return [*mine, files[0]] if dist.get_rank() == 0 else mine
 
 
+def error_of(call: Callable[[], object], error: type[BaseException]) -> BaseException | None:
+    """The `error` that call() raised, or None."""
+    try:
+        call()
+    except error as exc:
+        return exc
+    return None
+
+
+def refuse_tag(engine: Any, save_dir: Path, tag: str) -> None:
+    """Saving to `tag` again raises NotSupportedError and rewrites none of its files."""
+    files = [p for p in (save_dir / tag).iterdir() if not p.name.startswith(".")]  # durable ones
+    before = {p: p.stat().st_mtime_ns for p in files}
+    refused = error_of(lambda: engine.save_checkpoint(str(save_dir), tag=tag), NotSupportedError)
+    check(refused is not None and "new tag" in str(refused), f"saved to {tag} again: {refused}")
+    after = {p: p.stat().st_mtime_ns for p in before}  # files still being written may appear
+    check(after == before, f"the refused save of {tag} rewrote its files")
+
+
 def slow_rank() -> int:
     return dist.get_world_size() - 1
 
@@ -256,10 +280,13 @@ def commit_scenario(out: Path) -> None:
     train(engine, 1)
     engine.save_checkpoint(str(save_dir), tag="fast")
     step_until_latest(engine, save_dir, "fast", stage=1)
+    # A tag `latest` names, or one still being written, is never written again in place.
+    refuse_tag(engine, save_dir, "fast")
 
     # A slow write: no step waits for it, `latest` moves only once every rank's files are
     # durable, and load() of a file being written waits for it.
     engine.save_checkpoint(str(save_dir), tag="slow-a")
+    refuse_tag(engine, save_dir, "slow-a")
     saved = [t.clone() for t in engine.optimizer.single_partition_of_fp32_groups]
     seconds = train(engine, 2)
     check(latest(save_dir) == "fast", f"latest is {latest(save_dir)!r} during the slow write")
@@ -273,26 +300,32 @@ def commit_scenario(out: Path) -> None:
         check(all(map(torch.equal, fp32, saved)), "load() read other values than were saved")
     step_until_latest(engine, save_dir, "slow-a", stage=1)
 
-    # The writer is SIGKILLed during a save: the next step fails on every rank at once.
+    # The writer is SIGKILLed during a save: the ranks notice at a step, which goes on normally.
     engine.save_checkpoint(str(save_dir), tag="slow-doomed")
-    killed = time.monotonic()
+    killed, steps, calls = time.monotonic(), engine.global_steps, 0
     if slow:
         os.kill(shm_engine.checkpoint_process.pid, signal.SIGKILL)
-    failure = None
-    while failure is None:
-        check(time.monotonic() - killed < BOUND, "no step failed after the writer was killed")
-        try:
-            train(engine, 1)
-        except CommitError as exc:
-            failure = exc
-    elapsed = time.monotonic() - killed
-    check(elapsed < BOUND / 3, f"the commit failed only after {elapsed:.1f} s")
+    while shm_engine.failure is None:
+        check(time.monotonic() - killed < BOUND / 3, "no step noticed the killed writer")
+        train(engine, 1)
+        calls += 1
+    train(engine, 1)
+    calls += 1
+    check(engine.global_steps == steps + calls, f"{calls} steps took {engine.global_steps - steps}")
+    reference = build(1, seed=0)  # the same steps, never saved: none skipped nor applied twice
+    train(reference, engine.global_steps)
+    check_same_parameters(engine, parameters(reference), "training on after the failed save")
+    reference.destroy()
     expected = "died" if slow else "another rank"
-    check(expected in str(failure), f"unclear error: {failure}")
     check(latest(save_dir) == "slow-a", f"latest is {latest(save_dir)!r} after the failed save")
     left = [t for f in own_files(save_dir, "slow-doomed") for t in TorchFileWriter.temporaries(f)]
     check(not left, f"temporaries of the killed write are left: {left}")
 
+    # The next save raises the failure on every rank before saving anything; the next one works.
+    failure = error_of(lambda: engine.save_checkpoint(str(save_dir), tag="refused"), CommitError)
+    check(failure is not None and expected in str(failure), f"unclear error: {failure}")
+    check(not (save_dir / "refused").exists(), "the save that raised the failure saved files")
+    check(shm_engine.failure is None, f"the failure is still there: {shm_engine.failure}")
     engine.save_checkpoint(str(save_dir), tag="after")  # through a new writer process
     step_until_latest(engine, save_dir, "after", stage=1)
     for path in tag_files(save_dir, "after", stage=1):

@@ -1,10 +1,16 @@
 """ShmStateSaver with the real Accelerate: a save is a snapshot of everything save_state saves,
 loading it into fresh objects restores it bitwise and resumes like an uninterrupted run (one
-process here, DDP on 2 processes under torchrun), automatic naming with total_limit, typed errors.
+process here, DDP on 2 processes under torchrun), automatic naming with total_limit, a failed
+save raised by the next call, one writer process at a time, typed errors.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
+import multiprocessing
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +27,14 @@ import pyshmckpt  # noqa: E402
 from pyshmckpt.integrations.accelerate import ShmStateSaver  # noqa: E402
 
 from accelerate_worker import build, save_load_resume, train  # noqa: E402
-from helpers import SAVE_TIMEOUT, bounded_config, child_env, free_port, visible  # noqa: E402
+from helpers import (  # noqa: E402
+    SAVE_TIMEOUT,
+    bounded_config,
+    child_env,
+    free_port,
+    small_tmpfs,
+    visible,
+)
 
 WORKER = Path(__file__).with_name("accelerate_worker.py")
 RUN_TIMEOUT = 240  # seconds the 2-process run may take (about 10 here)
@@ -72,6 +85,51 @@ def test_automatic_naming_keeps_the_newest_total_limit(tmp_path: Path) -> None:
         with pytest.raises(pyshmckpt.PathExistsError):
             saver.save_state()
         assert visible(root) == ["checkpoint_2", "checkpoint_3"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_failed_save_is_raised_by_the_next_call_and_one_writer_runs_at_a_time(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = build(seed=6)
+    run.accelerator.prepare(torch.nn.Linear(1000, 1000))  # 4 MB of weights
+    others = set(multiprocessing.active_children())
+    with small_tmpfs(tmp_path / "small") as small:
+        saver = ShmStateSaver(run.accelerator, config=bounded_config())
+        try:
+            with caplog.at_level(logging.ERROR, logger="pyshmckpt.integrations.accelerate"):
+                saver.save_state(small / "full")  # on 2 MB
+                with pytest.raises(pyshmckpt.WriterOSError) as failed:
+                    saver.wait(timeout=SAVE_TIMEOUT)
+            assert failed.value.errno == errno.ENOSPC
+            assert [r.levelname for r in caplog.records] == ["ERROR"]
+            assert str(small / "full") in caplog.records[0].getMessage()
+            assert saver.wait(timeout=SAVE_TIMEOUT) == []  # raised once
+            assert visible(small) == []
+
+            saver.save_state(small / "full")
+            # Saving elsewhere finishes the writes under small first: this save raises, saves
+            # nothing, and the one after it works.
+            with pytest.raises(pyshmckpt.WriterOSError):
+                saver.save_state(tmp_path / "ok")
+            assert not (tmp_path / "ok").exists()
+            ok = saver.save_state(tmp_path / "ok").result(timeout=SAVE_TIMEOUT)
+            (writer,) = set(multiprocessing.active_children()) - others  # small's is stopped
+            assert writer.pid is not None
+            os.kill(writer.pid, signal.SIGSTOP)
+            try:
+                late = saver.save_state(tmp_path / "late")
+                with pytest.raises(pyshmckpt.WriteTimeoutError):
+                    saver.wait(timeout=0.2)
+                assert not late.done()
+            finally:
+                os.kill(writer.pid, signal.SIGCONT)
+            assert saver.wait(timeout=SAVE_TIMEOUT) == [tmp_path / "late"]
+            assert saver.load_state(ok) == ok
+        finally:
+            saver.close()
+    assert visible(tmp_path) == ["late", "ok", "small"]
 
 
 def test_bad_input_raises_typed_errors(tmp_path: Path) -> None:
