@@ -171,6 +171,16 @@ class WriterError(PyshmckptError, RuntimeError):
         return type(self), (self.args[0], self.exc_type), self.__dict__
 
 
+def as_writer_error(failure: BaseException, context: str) -> PyshmckptError:
+    """`failure` of a background write, to raise later: itself if it is a PyshmckptError, else a
+    WriterError saying `context`, caused by it."""
+    if isinstance(failure, PyshmckptError):
+        return failure
+    error = WriterError(f"{context}: {failure!r}")
+    error.__cause__ = failure
+    return error
+
+
 class WriterOSError(WriterError, OSError):
     """The writer failed with an `OSError`; ``errno`` and ``strerror`` are the writer's."""
 

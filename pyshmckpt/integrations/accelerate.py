@@ -53,9 +53,8 @@ from ..errors import (
     ConfigError,
     ConfigTypeError,
     NotSupportedError,
-    PyshmckptError,
-    WriterError,
     WriteTimeoutError,
+    as_writer_error,
     os_error,
 )
 from ..storage import commit, load
@@ -323,10 +322,8 @@ class ShmStateSaver:
             self._settle(future)
         with self._lock:
             failure, self._failure = self._failure, None
-        if isinstance(failure, PyshmckptError):
-            raise failure
         if failure is not None:
-            raise WriterError(f"saving the accelerator's state failed: {failure!r}") from failure
+            raise as_writer_error(failure, "saving the accelerator's state failed")
 
     def _source(self, input_dir: str | os.PathLike[str] | None) -> Path:
         if input_dir is not None:

@@ -35,8 +35,8 @@ from ..errors import (
     ConfigTypeError,
     NotSupportedError,
     PyshmckptError,
-    WriterError,
     WriteTimeoutError,
+    as_writer_error,
     from_os_error,
 )
 from ..storage import commit, load, writer_spec
@@ -235,10 +235,8 @@ class ShmCheckpointIO(CheckpointIO):
     def _raise_failure(self) -> None:
         with self._lock:
             failure, self._failure = self._failure, None
-        if isinstance(failure, PyshmckptError):
-            raise failure
         if failure is not None:
-            raise WriterError(f"a checkpoint write failed: {failure!r}") from failure
+            raise as_writer_error(failure, "a checkpoint write failed")
 
 
 _OPTIONS = frozenset({"slots", "capacity_bytes", "direct_io", "config", "writer"})
