@@ -109,6 +109,7 @@ def test_report_only_reads_results_again(tmp_path, capsys):
 @pytest.mark.skipif(
     not (SUITE / "test_sweep.py").exists(), reason="needs the repository's bench/ directory"
 )
+@pytest.mark.slow  # it runs the suite without -O in either pass, so the -O pass leaves it out
 def test_quick_run_of_a_slice_of_the_suite_reports_and_plots(tmp_path):
     env = child_env()
     env.pop("PYTHONOPTIMIZE", None)  # the suite asserts its own set-up; run it as users do
@@ -159,6 +160,7 @@ STALE["results.json"] = json.dumps(
 @pytest.mark.skipif(
     not (SUITE / "test_sweep.py").exists(), reason="needs the repository's bench/ directory"
 )
+@pytest.mark.slow  # as above: never run under -O
 def test_a_run_that_measures_nothing_reports_no_earlier_results(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
