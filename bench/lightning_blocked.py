@@ -18,6 +18,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,16 +65,21 @@ class TimedCheckpoint(ModelCheckpoint):
             self.blocked.append(time.perf_counter() - start)
 
 
-VARIANTS = {
-    "pyshmckpt ShmCheckpointIO": lambda: [ShmCheckpointIO()],
-    "Lightning default (torch.save)": lambda: [],
-    "Lightning AsyncCheckpointIO": lambda: [AsyncCheckpointIO()],
+VARIANTS = {  # each: the checkpoint directory -> the Trainer's plugins
+    "pyshmckpt ShmCheckpointIO": lambda root: [ShmCheckpointIO()],
+    "ShmCheckpointIO(dirpath)": lambda root: [ShmCheckpointIO(root)],
+    "Lightning default (torch.save)": lambda root: [],
+    "Lightning AsyncCheckpointIO": lambda root: [AsyncCheckpointIO()],
 }
 
 
 def fit(
-    args: argparse.Namespace, root: Path, plugins: list[Any] | None
+    args: argparse.Namespace, root: Path, make_plugins: Callable[[Path], list[Any]] | None
 ) -> tuple[float, list[float]]:
+    """Train from seed 0 with the plugins `make_plugins` builds (None: no checkpoints); returns
+    the wall time from building them to the end of the fit, and the blocked times."""
+    start = time.perf_counter()
+    plugins = None if make_plugins is None else make_plugins(root)
     torch.manual_seed(0)
     model = Net(args.width, args.layers)
     data = DataLoader(TensorDataset(torch.randn(args.steps * 8, args.width)), batch_size=8)
@@ -84,7 +90,6 @@ def fit(
         enable_checkpointing=plugins is not None,
         callbacks=[callback] if plugins is not None else [], plugins=plugins or [],
     )  # fmt: skip
-    start = time.perf_counter()
     trainer.fit(model, data)
     return time.perf_counter() - start, callback.blocked
 
@@ -110,7 +115,7 @@ def main() -> None:
             fits["no checkpoints"].append(fit(args, base / "none", None)[0])
             for name, plugins in VARIANTS.items():
                 root = base / f"{repeat}-{len(first.get(name, []))}-{name.split()[0]}"
-                seconds, blocked = fit(args, root, plugins())
+                seconds, blocked = fit(args, root, plugins)
                 fits.setdefault(name, []).append(seconds)
                 first.setdefault(name, []).append(blocked[0])
                 steady.setdefault(name, []).extend(blocked[1:])

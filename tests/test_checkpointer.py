@@ -578,3 +578,16 @@ def test_overwrite_where_the_filesystem_cannot_exchange_renames_the_old_one_away
     commit.clean_leftovers(tmp_path)
     assert (path / "data").read_text() == "new"
     assert hidden(tmp_path) == []
+
+
+def test_replacing_exchanges_the_two_directories_atomically_on_this_filesystem(tmp_path):
+    # The path every replacement takes where renameat2(RENAME_EXCHANGE) works (tmpfs, ext4, xfs).
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "which").write_text("a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "which").write_text("b")
+    assert commit._exchange(tmp_path / "a", tmp_path / "b")
+    assert (tmp_path / "a" / "which").read_text() == "b"
+    assert (tmp_path / "b" / "which").read_text() == "a"
+    with pytest.raises(FileNotFoundError):
+        commit._exchange(tmp_path / "a", tmp_path / "missing")

@@ -48,6 +48,9 @@ class ShmCheckpointIO(CheckpointIO):
     """Lightning CheckpointIO writing pyshmckpt checkpoints in the background.
 
     Args:
+        dirpath: the directory checkpoints go to (ModelCheckpoint's ``dirpath``), when known:
+            its writer process starts now, in the background, instead of at the first save,
+            which otherwise waits for it (a few seconds). Other directories work as well.
         write_timeout: seconds ``load_checkpoint`` waits for a pending write of its path before
             raising (``teardown`` waits for each write up to the writer's own write timeout,
             ``config.write_timeout_secs``).
@@ -63,7 +66,13 @@ class ShmCheckpointIO(CheckpointIO):
     on the training thread first.
     """
 
-    def __init__(self, *, write_timeout: float = 600.0, **checkpointer_options: Any) -> None:
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        *,
+        write_timeout: float = 600.0,
+        **checkpointer_options: Any,
+    ) -> None:
         super().__init__()
         if isinstance(write_timeout, bool) or not isinstance(write_timeout, (int, float)):
             raise ConfigTypeError(f"write_timeout must be a number, not {write_timeout!r}")
@@ -82,14 +91,28 @@ class ShmCheckpointIO(CheckpointIO):
         self._pending: dict[Path, Future[Path]] = {}
         self._failure: BaseException | None = None
         self._lock = threading.Lock()
+        self._dirpath = None if dirpath is None else _local_path(dirpath)
+        self._prestart()
+
+    def _prestart(self) -> None:
+        """Start the writer of the known checkpoint directory (on global rank 0 only: the other
+        ranks never save)."""
+        if self._dirpath is not None and _global_rank_zero():
+            self._checkpointer(self._dirpath)
 
     def __getstate__(self) -> dict[str, Any]:
         """Its settings only (Lightning's ddp_spawn pickles the Trainer for each process)."""
-        return {"write_timeout": self._write_timeout, "options": self._options}
+        return {
+            "dirpath": self._dirpath,
+            "write_timeout": self._write_timeout,
+            "options": self._options,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         options = {k: v for k, v in state["options"].items() if k != "allow_pickle"}
-        self.__init__(write_timeout=state["write_timeout"], **options)  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            state["dirpath"], write_timeout=state["write_timeout"], **options
+        )
 
     # -- Lightning's CheckpointIO ----------------------------------------------------------------
 
@@ -237,6 +260,13 @@ class ShmCheckpointIO(CheckpointIO):
             failure, self._failure = self._failure, None
         if failure is not None:
             raise as_writer_error(failure, "a checkpoint write failed")
+
+
+def _global_rank_zero() -> bool:
+    """Whether this process is global rank 0 by what launchers set (torchrun, SLURM, LSF,
+    Lightning's own launcher: a process without them is)."""
+    variables = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+    return all(os.environ.get(v, "0") in ("", "0") for v in variables)
 
 
 _OPTIONS = frozenset({"slots", "capacity_bytes", "direct_io", "config", "writer"})

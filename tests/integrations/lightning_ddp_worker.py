@@ -17,7 +17,7 @@ from lightning_app import STEPS_PER_EPOCH, checkpoint_names, fit, same_parameter
 
 def main() -> None:
     root = Path(sys.argv[1])
-    io = ShmCheckpointIO(write_timeout=120.0)
+    io = ShmCheckpointIO(root / "run", write_timeout=120.0)  # rank 0 starts its writer now
     model, _, trainer = fit(
         root / "run", [io], every_n_train_steps=STEPS_PER_EPOCH, save_top_k=2,
         monitor="train_loss", save_last=True,

@@ -36,15 +36,15 @@ DDP_WORKER = Path(__file__).with_name("lightning_ddp_worker.py")
 TOP_K = {"every_n_train_steps": STEPS_PER_EPOCH, "save_top_k": 2, "monitor": "train_loss"}
 
 
-def shm_io(**options: object) -> ShmCheckpointIO:
-    return ShmCheckpointIO(config=bounded_config(), write_timeout=SAVE_TIMEOUT, **options)
+def shm_io(dirpath: Path | None = None, **options: object) -> ShmCheckpointIO:
+    return ShmCheckpointIO(dirpath, config=bounded_config(), write_timeout=SAVE_TIMEOUT, **options)
 
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:The dirpath has changed")  # resumed runs save elsewhere
 def test_kept_checkpoints_are_lightnings_choice_and_resuming_continues_bitwise(tmp_path):
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    model, callback, _ = fit(ours, [shm_io()], save_last=True, **TOP_K)
+    model, callback, _ = fit(ours, [shm_io(dirpath=ours)], save_last=True, **TOP_K)
     reference, reference_callback, _ = fit(theirs, [], save_last=True, **TOP_K)
     assert same_parameters(model, reference)  # saving changed nothing in training
 
