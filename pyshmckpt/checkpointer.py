@@ -243,6 +243,11 @@ class Checkpointer:
             pending = list(self._pending)
         return [future.result(timeout=timeout) for future in pending]
 
+    @property
+    def writer_pid(self) -> int | None:
+        """The current writer process's id (None before it is spawned), for monitoring."""
+        return self._process.pid
+
     def latest(self) -> Path | None:
         """The newest committed checkpoint (what root/latest points at), or None."""
         return commit.latest(self.root)

@@ -305,6 +305,10 @@ def test_a_missing_root_is_created_and_an_unusable_one_fails_at_once(tmp_path):
         path = ck.save({"x": torch.ones(1024)}).result(timeout=SAVE_TIMEOUT)
         assert path.parent == root
         assert torch.equal(pyshmckpt.load(path)["x"], torch.ones(1024))
+        writer = ck.writer_pid
+        assert writer is not None
+        assert pid_running(writer)
+    assert not pid_running(writer)
 
     a_file = tmp_path / "a-file"
     a_file.write_text("not a directory")
