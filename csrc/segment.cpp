@@ -214,7 +214,10 @@ Segment Segment::attach(const std::string& name, std::size_t size, const std::st
                                            : 0) +
                         " data bytes, expected " + std::to_string(size));
   }
-  void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, seg.fd_, 0);
+  // MAP_POPULATE: the creator allocated every page; map them all now, once, so that the
+  // attaching process (the writer) takes no page fault when it reads a slot, on any save.
+  void* base =
+      mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, seg.fd_, 0);
   if (base == MAP_FAILED) throw_errno("mmap", seg.name_);
   seg.base_ = static_cast<std::uint8_t*>(base);
   seg.size_ = size;
