@@ -17,7 +17,6 @@ before the next starts, so neither competes with the other's writing. Figures ar
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import tempfile
@@ -30,16 +29,9 @@ from accelerate import Accelerator
 from pyshmckpt.cli.demo.gpt import GPT, GPTConfig, batch, parameter_count
 from pyshmckpt.integrations.accelerate import ShmStateSaver
 
+from blocked_table import fsync_tree, print_blocked
+
 WAYS = ("accelerate", "pyshmckpt")
-
-
-def fsync_tree(directory: Path) -> None:
-    for path in [*directory.rglob("*"), directory]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
@@ -110,13 +102,7 @@ def main() -> None:
                         durable[way].append(done - start)
                     shutil.rmtree(target)
 
-    print(f"\n{'':12} {'blocked per checkpoint (s)':>30} {'durable (s)':>14}")
-    print(f"{'way':12} {'median':>10} {'min':>9} {'max':>9} {'median':>14}")
-    for way in WAYS:
-        print(
-            f"{way:12} {statistics.median(blocked[way]):10.3f} {min(blocked[way]):9.3f} "
-            f"{max(blocked[way]):9.3f} {statistics.median(durable[way]):14.3f}"
-        )
+    print_blocked(list(WAYS), blocked, {"durable (s)": durable})
     ratio = statistics.median(blocked["accelerate"]) / statistics.median(blocked["pyshmckpt"])
     print(f"\ntraining blocked per checkpoint: {ratio:.1f}x less with ShmStateSaver")
 

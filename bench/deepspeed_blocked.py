@@ -45,6 +45,8 @@ from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder  # noqa: E402
 from pyshmckpt.cli.demo.gpt import GPT, GPTConfig, batch, parameter_count  # noqa: E402
 from pyshmckpt.integrations.deepspeed import use_pyshmckpt  # noqa: E402
 
+from blocked_table import fsync_tree, print_blocked  # noqa: E402
+
 WAYS = ("torch", "pyshmckpt")
 MIN_STEPS = 2  # steps after each save
 BOUND = 120.0  # seconds a save may take to become durable
@@ -73,15 +75,6 @@ def init_single_process() -> None:
     # initializes; one process needs no all-reduce.
     deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
     deepspeed.init_distributed(dist_backend="gloo")
-
-
-def fsync_tree(directory: Path) -> None:
-    for path in [*directory.rglob("*"), directory]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def file_bytes(directory: Path) -> int:
@@ -181,14 +174,7 @@ def main() -> None:
         f"parameters), AdamW, ZeRO stage {args.stage}: {size / 2**20:.0f} MiB of checkpoint "
         f"files per tag; {args.rounds} rounds after a warm-up round"
     )
-    print(f"\n{'':10} {'blocked per checkpoint (s)':>28} {'durable (s)':>12} {'step (s)':>9}")
-    print(f"{'way':10} {'median':>10} {'min':>8} {'max':>8} {'median':>12} {'median':>9}")
-    for way in WAYS:
-        print(
-            f"{way:10} {statistics.median(blocked[way]):10.3f} {min(blocked[way]):8.3f} "
-            f"{max(blocked[way]):8.3f} {statistics.median(durable[way]):12.3f} "
-            f"{statistics.median(steps[way]):9.3f}"
-        )
+    print_blocked(list(WAYS), blocked, {"durable (s)": durable, "step (s)": steps})
     ratio = statistics.median(blocked["torch"]) / statistics.median(blocked["pyshmckpt"])
     print(f"\ntraining blocked per checkpoint: {ratio:.1f}x less with ShmCheckpointEngine")
 

@@ -55,7 +55,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import secrets
 from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
@@ -458,20 +457,12 @@ def _latest_names(info: Any) -> bool:
 
 def _write_latest(save_dir: Path, tag: str) -> None:
     """DeepSpeed's ``latest`` file (the tag's name), replaced atomically and durably."""
-    temp = save_dir / f".{_LATEST}.tmp-{secrets.token_hex(8)}"
     try:
-        with temp.open("x") as file:
-            file.write(tag)
-            file.flush()
-            os.fsync(file.fileno())
-        temp.replace(save_dir / _LATEST)
-        commit.fsync_path(save_dir)
+        commit.write_file(
+            save_dir / _LATEST, lambda file: file.write(tag.encode()), f".{_LATEST}.tmp-"
+        )
     except OSError as exc:
-        temp.unlink(missing_ok=True)
         raise from_os_error(exc, f"writing {save_dir / _LATEST}") from exc
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
 
 
 def use_pyshmckpt(engine: Any, **options: Any) -> ShmCheckpointEngine:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import copy
 import logging
 import os
 import pickle
@@ -156,8 +155,11 @@ class ShmCheckpointIO(CheckpointIO):
                 except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
                     raise CheckpointCorruptError(str(target), f"torch.load failed: {exc}") from exc
         else:
-            state = _in_memory(
-                load(target, map_location=map_location, allow_pickle=weights_only is not True)
+            state = load(
+                target,
+                map_location=map_location,
+                allow_pickle=weights_only is not True,
+                mmap=False,
             )
         if not isinstance(state, dict):
             raise ConfigTypeError(f"{target} holds a {type(state).__name__}, not a checkpoint dict")
@@ -278,22 +280,6 @@ def _os_errors(what: str) -> Iterator[None]:
         yield
     except OSError as exc:
         raise from_os_error(exc, what) from exc
-
-
-def _in_memory(value: Any) -> Any:
-    """`value` with every tensor copied into memory (loaded tensors map the files)."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        copied = copy.copy(value)  # keeps the mapping's type (OrderedDict, AttributeDict)
-        for key, item in value.items():
-            copied[key] = _in_memory(item)
-        return copied
-    if isinstance(value, list):
-        return [_in_memory(item) for item in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_in_memory(item) for item in value)
-    return value
 
 
 def _local_path(path: Any) -> Path:

@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..errors import CommitError, CommitTimeoutError, ConfigError, os_error
 
@@ -58,6 +58,23 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_file(target: Path, fill: Callable[[BinaryIO], object], temp_prefix: str) -> None:
+    """Write one file durably and atomically: `fill` writes it into a temporary beside `target`
+    (``<temp_prefix><random>``), which is fsynced, renamed over `target`, and the directory
+    fsynced. Readers see the old file or the whole new one; on failure the temporary is gone."""
+    temp = target.with_name(f"{temp_prefix}{secrets.token_hex(8)}")
+    try:
+        with temp.open("xb") as file:
+            fill(file)
+            file.flush()
+            os.fsync(file.fileno())
+        temp.replace(target)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    fsync_path(target.parent)
 
 
 def rank_and_world(rank_info: Any) -> tuple[int, int]:

@@ -55,13 +55,17 @@ def load(
     allow_pickle: bool = False,
     rank: int = 0,
     into: Any = None,
+    mmap: bool = True,
 ) -> Any:
     """Load a checkpoint written by pyshmckpt's safetensors writer.
 
     `path` is a checkpoint directory (or a checkpoint root: its `latest`). Returns the nested
     state dict with container types and tied-storage aliases restored. On the CPU, tensors are
-    zero-copy copy-on-write maps of the file. With `into` (a state dict of the same structure),
-    the values are copied into its tensors in place (any device) and `into` is returned.
+    zero-copy copy-on-write maps of the file (pages read when used; the file's disk space stays
+    in use while they live, also after the checkpoint is deleted); with ``mmap=False`` each file
+    entry is read into memory once (views of one storage still share it). With `into` (a state
+    dict of the same structure), the values are copied into its tensors in place (any device)
+    and `into` is returned.
     `verify` checks every CRC32C. Pickled values are only loaded with allow_pickle=True.
     Anything wrong with the files raises CheckpointCorruptError naming the file and tensor.
 
@@ -81,7 +85,7 @@ def load(
     if into is not None and (_sharded(opened[2]) or resharding.holds_dtensors(into)):
         _reshard_into(opened, into, rank, verify=verify, allow_pickle=allow_pickle)
         return into
-    file = _rank_file(opened, rank, allow_pickle, verify_all=verify)
+    file = _rank_file(opened, rank, allow_pickle, verify_all=verify, in_memory=not mmap)
     logger.debug("loaded %s (rank %d)", directory, rank)
     if into is not None:
         resharding.fill(into, [file], 0, verify=False, where=str(directory))
@@ -105,14 +109,15 @@ def _rank_file(
     allow_pickle: bool,
     *,
     verify_all: bool = False,
+    in_memory: bool = False,
 ) -> resharding.RankFile:
-    """A rank's opened files with their tensors (file maps) and decoded structure; with
-    verify_all, every checksum is checked first."""
+    """A rank's opened files with their tensors (file maps, or copies in memory) and decoded
+    structure; with verify_all, every checksum is checked first."""
     json_path, st_path, described, header, mapped = opened
     view = memoryview(mapped)
     if verify_all:
         _verify(st_path, view, header, described.get("entries"))
-    tensors = _tensors(st_path, view, header, described.get("tensors"))
+    tensors = _tensors(st_path, view, header, described.get("tensors"), in_memory=in_memory)
     try:
         state = tree_codec.decode(
             described.get("tree"), tensors, allow_pickle=allow_pickle, where=str(json_path)
@@ -179,7 +184,9 @@ def _verify(
             )
 
 
-def _tensors(st_path: Path, view: memoryview, header: Any, described: Any) -> list[torch.Tensor]:
+def _tensors(
+    st_path: Path, view: memoryview, header: Any, described: Any, *, in_memory: bool = False
+) -> list[torch.Tensor]:
     if not isinstance(described, list):
         raise CheckpointCorruptError(str(st_path), "the manifest lists no tensors")
     raws: dict[str, torch.Tensor | None] = {}
@@ -245,6 +252,8 @@ def _tensors(st_path: Path, view: memoryview, header: Any, described: Any) -> li
                     if length
                     else None
                 )
+                if raw is not None and in_memory:
+                    raw = raw.clone()  # once per entry: every tensor over it shares the copy
                 raws[entry_name] = raw
             # Every dtype's base views the one storage of the entry, so tensors of different
             # dtypes over one entry keep sharing it (also when load() moves them to a device).

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import warnings
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -89,17 +88,9 @@ class TorchFileWriter:
 
     def write(self, path: str, state_dict: Any, **kwargs: Any) -> None:
         target = Path(path)
-        temp = target.with_name(f"{_temp_prefix(target)}{secrets.token_hex(8)}")
-        try:
-            with temp.open("xb") as file:
-                self.serialize(state_dict, file)
-                file.flush()
-                os.fsync(file.fileno())
-            temp.replace(target)
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
-        commit.fsync_path(target.parent)
+        commit.write_file(
+            target, lambda file: self.serialize(state_dict, file), _temp_prefix(target)
+        )
         commit.fsync_path(target.parent.parent)
 
     def serialize(self, state_dict: Any, file: BinaryIO) -> None:

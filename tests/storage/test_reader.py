@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import gc
 import json
 import os
 import shutil
@@ -395,3 +396,22 @@ def test_moving_differently_typed_views_of_one_entry(shared):
     assert same_bytes(moved["f"], state["f"])
     assert same_bytes(moved["u"], u8)
     assert moved["f"].untyped_storage().data_ptr() == moved["u"].untyped_storage().data_ptr()
+
+
+def test_load_without_mmap_reads_into_memory_and_keeps_tied_weights_tied(gpt_checkpoint, tmp_path):
+    path = shutil.copytree(gpt_checkpoint["path"], tmp_path / "copy")
+    mapped = pyshmckpt.load(path)
+    in_memory = pyshmckpt.load(path, mmap=False)
+    gc.collect()
+    maps = Path("/proc/self/maps").read_text()
+    assert str(path) in maps  # the mapped load keeps the file mapped while its tensors live
+    assert_same_tree(mapped, in_memory)
+    model = in_memory["model"]
+    assert (
+        model["head.weight"].untyped_storage()._cdata
+        == model["embed.weight"].untyped_storage()._cdata
+    )
+    del mapped
+    gc.collect()
+    assert str(path) not in Path("/proc/self/maps").read_text()  # nothing maps it any more
+    assert_same_tree(gpt_checkpoint["expected"], in_memory)
