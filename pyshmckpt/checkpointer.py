@@ -7,6 +7,7 @@ checkpoint directory (across ranks too).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import itertools
 import logging
@@ -176,7 +177,9 @@ class Checkpointer:
             validate=_check_plain if plain_only else None,
             pickle_unsupported=not plain_only,
         )
-        base = config or CheckpointProcessConfig()
+        base = CheckpointProcessConfig() if config is None else CheckpointProcessConfig.of(config)
+        if base.wait_for_start is None:  # the first save never waits for the writer to start
+            base = dataclasses.replace(base, wait_for_start=False)
         try:
             self._process = CheckpointProcess(
                 RankInfo(self.rank, self.world_size), base, no_init, (), spec.factory, writer_args

@@ -90,6 +90,11 @@ class AttachedSegments:
                     self._segments[name] = segment
                     logger.debug("attached %s (%d bytes)", name, size)
 
+    def note(self, names: Iterable[str]) -> None:
+        """Remember segment names the trainer described without attaching them (for cleanup)."""
+        with self._lock:
+            self._known.update(names)
+
     def names(self) -> set[str]:
         with self._lock:
             return set(self._segments)

@@ -23,6 +23,7 @@ class Kind(enum.Enum):
     INIT = "init"  # child -> parent once: the writer is built (or failed to build)
     WRITE = "write"  # persist one staged slot
     TERMINATE = "terminate"  # finish queued work, close the writer, exit
+    ADOPT = "adopt"  # parent -> child once it is ready: serve the spool's first `count` records
     LOG = "log"  # child -> parent, unasked: one log record of the writer process
 
 

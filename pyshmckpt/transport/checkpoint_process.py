@@ -63,6 +63,11 @@ class CheckpointProcessConfig:
         collect_stale_segments: remove segments of dead owners at start-up.
         on_trainer_death: "finish" (the writer finishes and commits the writes it was handed,
             each bounded by write_timeout_secs, then exits) or "abandon" (it exits at once).
+        wait_for_start: True: write() first waits for the writer process to be ready (torch's
+            behaviour). False: the writer starts in the background and writes made meanwhile are
+            spooled in memory the writer process holds (so they are finished even if the trainer
+            dies first) and handed over once it is ready; a start that fails fails them. None:
+            the owner decides (CheckpointProcess waits, Checkpointer does not).
     """
 
     subprocess_init_timeout_secs: float = 30
@@ -74,6 +79,7 @@ class CheckpointProcessConfig:
     max_restarts: int = 3
     collect_stale_segments: bool = True
     on_trainer_death: str = "finish"
+    wait_for_start: bool | None = None
 
     @classmethod
     def of(cls, config: Any) -> CheckpointProcessConfig:
@@ -94,6 +100,10 @@ class CheckpointProcessConfig:
         return cls(**given)
 
     def __post_init__(self) -> None:
+        if self.wait_for_start is not None and not isinstance(self.wait_for_start, bool):
+            raise ConfigTypeError(
+                f"wait_for_start must be a bool or None, not {type(self.wait_for_start).__name__}"
+            )
         if self.on_trainer_death not in ("finish", "abandon"):
             raise ConfigError(
                 f'on_trainer_death must be "finish" or "abandon", not {self.on_trainer_death!r}'
@@ -182,7 +192,16 @@ class CheckpointProcess:
         self._writers = [self._new_writer()]
         self._process_handle = WriterProcesses(self._writers)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyshmckpt-process")
-        self.process_creation_future: Future[None] = self._executor.submit(self._writer.start)
+        self._wait_for_start = config.wait_for_start is not False
+        if self._wait_for_start:
+            self.process_creation_future: Future[None] = self._executor.submit(self._writer.start)
+        else:  # spawned now, so that writes can be spooled for it from the first one on
+            try:
+                self._writer.spawn()
+            except BaseException:
+                CheckpointProcess._finalize(self._writers, self._stager, self._executor, True)
+                raise
+            self.process_creation_future = self._executor.submit(self._writer.wait_ready)
         self._closed = False
         self._finalizer = weakref.finalize(
             self, CheckpointProcess._finalize_quietly, self._writers, self._stager, self._executor
@@ -219,11 +238,13 @@ class CheckpointProcess:
         """Persist `state_dict` (or the result of a Future of one) at `path` in the writer.
 
         As torch's: a writer that failed to start raises here (after waiting for it, bounded by
-        the init timeout); every other error of the write (staging, a dead writer, the writer's
-        own) fails the returned Future. A closed CheckpointProcess raises ClosedError.
+        the init timeout; with ``wait_for_start=False`` only once its start has failed, and
+        writes made while it was starting fail their Futures); every other error of the write
+        (staging, a dead writer, the writer's own) fails the returned Future. A closed
+        CheckpointProcess raises ClosedError.
         """
         self._check_open()
-        self.process_creation_future.result()
+        self._check_started()
         if isinstance(state_dict, Future):
             outer: Future[None] = Future()
             wait = self._config.write_timeout_secs
@@ -284,6 +305,11 @@ class CheckpointProcess:
         if self._closed:
             raise ClosedError("CheckpointProcess is closed")
 
+    def _check_started(self) -> None:
+        """Raise the writer's start error; wait for the start first unless writes may be spooled."""
+        if self._wait_for_start or self.process_creation_future.done():
+            self.process_creation_future.result()
+
     def _new_writer(self) -> WriterProcess:
         return WriterProcess(
             *self._writer_spec,
@@ -325,7 +351,7 @@ class CheckpointProcess:
             logger.warning("while closing the checkpoint process: %s", error)
 
     def _ensure_writer(self) -> WriterProcess:
-        self.process_creation_future.result()  # raises the init error, if any (bounded)
+        self._check_started()  # raises the init error, if any (bounded)
         with self._lock:
             writer = self._writer
             if writer.alive:

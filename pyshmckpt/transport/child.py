@@ -5,9 +5,12 @@ and serves requests: it attaches each slot segment once, and for a WRITE hands t
 mapped slot and manifest, or the staged state dict rebuilt as zero-copy CPU tensors over the
 slot. Its log records go to the trainer over the channel.
 
+Writes the trainer made while this process was starting wait in the spool (`spool.SpoolReader`),
+served first once the trainer says how many there are (ADOPT).
+
 If the trainer dies (noticed by the pidfd of the parent, PR_SET_PDEATHSIG and channel EOF), the
 writes it had handed over are complete snapshots in shared memory: by default (`OrphanPolicy`)
-the writer reads every request left in the pipe, finishes those writes (each bounded by the
+the writer reads every request left in the spool and the pipe, finishes those writes (each bounded by the
 write timeout, the commit included), then unlinks the trainer's segments and exits. With
 ``finish=False`` it unlinks them and exits at once.
 """
@@ -35,6 +38,7 @@ from ..staging import SlotViews
 from ..storage import SlotWriter, writer_kind
 from . import logs
 from .channel import Kind, ManifestRef, Request, Response, send
+from .spool import SpoolReader
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +85,17 @@ _EOF_GRACE = 2.0
 class _TrainerWatch:
     """Notices the trainer's death and decides what follows (see OrphanPolicy)."""
 
-    def __init__(self, parent_pid: int, policy: OrphanPolicy, attached: AttachedSegments) -> None:
+    def __init__(
+        self,
+        parent_pid: int,
+        policy: OrphanPolicy,
+        attached: AttachedSegments,
+        spool: SpoolReader | None = None,
+    ) -> None:
         self.parent_pid = parent_pid
         self.policy = policy
         self.attached = attached
+        self.spool = SpoolReader(None) if spool is None else spool
         self.dead = threading.Event()
         self.wake_r, self._wake_w = os.pipe()
         self._lock = threading.Lock()
@@ -118,6 +129,9 @@ class _TrainerWatch:
         self._progress = time.monotonic()
 
     def exit(self, code: int) -> None:
+        with contextlib.suppress(Exception):  # writes still spooled name segments too
+            for request in self.spool.read():
+                self.attached.note(name for name, _, _ in request.payload["segments"])
         with contextlib.suppress(Exception):
             self.attached.unlink_all()
         os._exit(code)
@@ -169,6 +183,7 @@ class _TrainerWatch:
 
 def writer_main(
     conn: Connection,
+    spool_fd: int | None,
     parent_pid: int,
     log_levels: dict[str, int],
     orphans: OrphanPolicy,
@@ -185,10 +200,11 @@ def writer_main(
     drops them; on the trainer's death, see OrphanPolicy).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    spool = SpoolReader(spool_fd)
     outbox = _Outbox(conn)
     logs.install(log_levels, outbox.log)
     attached = AttachedSegments()
-    watch = _TrainerWatch(parent_pid, orphans, attached)
+    watch = _TrainerWatch(parent_pid, orphans, attached, spool)
     watch.arm()
     try:
         subprocess_init_fn(*subprocess_init_args)
@@ -223,6 +239,16 @@ def writer_main(
             watch.busy(True)
             outbox.send(_serve_write(request, writer, attached, views))
             watch.busy(False)
+        elif request.kind is Kind.ADOPT:
+            for _ in range(int(request.payload["count"])):
+                if watch.dead.is_set():
+                    break  # the rest of the spool is finished as orphaned writes
+                for spooled in spool.read(1):
+                    watch.busy(True)
+                    outbox.send(_serve_write(spooled, writer, attached, views))
+                    watch.busy(False)
+            else:
+                spool.close()
         elif request.kind is Kind.TERMINATE:
             error = None
             close = getattr(writer, "close", None)
@@ -245,18 +271,22 @@ def writer_main(
                 )
             )
 
-    _finish_orphaned(conn, writer, attached, views, watch)
+    _finish_orphaned(conn, spool, writer, attached, views, watch)
 
 
 def _finish_orphaned(
     conn: Connection,
+    spool: SpoolReader,
     writer: Any,
     attached: AttachedSegments,
     views: SlotViews,
     watch: _TrainerWatch,
 ) -> None:
-    """The trainer is gone: finish every write left in the pipe, then clean up and exit."""
+    """The trainer is gone: finish every write left in the spool and the pipe (in the order they
+    were made), then clean up and exit."""
     requests: list[Request] = []
+    with contextlib.suppress(Exception):  # a record cut short by the trainer's death ends it
+        requests.extend(spool.read())
     with contextlib.suppress(Exception):  # EOF, or a request cut short by the trainer's death
         while conn.poll(0):
             requests.append(conn.recv())

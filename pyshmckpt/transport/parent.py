@@ -2,7 +2,8 @@
 
 `WriterProcess` spawns the child (`child.writer_main`), waits for its initialisation (bounded),
 sends one WRITE request per checkpoint and resolves a Future per request from a dispatcher
-thread. The dispatcher waits on the pipe, the process sentinel and a wake-up pipe together, so a
+thread. Writes submitted while the child is still starting go to its spool (`spool.Spool`), which
+the child inherits, and are handed over (ADOPT) once it is ready. The dispatcher waits on the pipe, the process sentinel and a wake-up pipe together, so a
 dead writer fails its pending writes at once, and a write that overruns its deadline gets the
 writer killed (and reaped) before its future fails, so that its slot is never reused while it
 might be read. Log records the writer forwards are handed to the trainer's loggers.
@@ -49,6 +50,7 @@ from .channel import (
     wakeup_pipe,
 )
 from .child import OrphanPolicy, writer_main
+from .spool import Spool
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class _Pending:
     generation: int
     deadline: float | None  # time.monotonic() deadline, None for no limit
     slot: str | None = None
+    timeout: float | None = None  # a spooled write's limit, counted from its hand-over
 
 
 class WriterProcess:
@@ -94,6 +97,9 @@ class WriterProcess:
         self._closing = False
         self._failure: BaseException | None = None  # why the process is no longer usable
         self.pid: int | None = None
+        self._spool: Spool | None = None  # writes queued while the child starts
+        self._ready = False  # the child initialized and adopted the spool: writes go to the pipe
+        self._started = 0.0
         # Layout last sent in full per slot: the child keeps the views it built for it.
         self._sent_layouts: dict[str, bytes] = {}
         self._reap_lock = threading.Lock()
@@ -127,18 +133,21 @@ class WriterProcess:
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Spawn the child and wait for it to initialise (bounded by the init timeout).
+        """Spawn the child and wait for it to initialise (see `spawn` and `wait_ready`)."""
+        self.spawn()
+        self.wait_ready()
 
-        Raises WriterStartTimeoutError ("Timed out ...", a TimeoutError) when it does not
-        acknowledge in time and WriterStartError (a RuntimeError) carrying the child's traceback
-        when initialisation raised or the child exited.
-        """
+    def spawn(self) -> None:
+        """Start the child process; it initializes in the background. Writes submitted from now
+        on are spooled until `wait_ready` hands them over."""
         ctx = mp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
+        spool = Spool()
         process = ctx.Process(
             target=writer_main,
             args=(
                 child_conn,
+                spool.inheritable(),
                 os.getpid(),
                 logs.current_levels(),
                 self._orphans,
@@ -147,17 +156,35 @@ class WriterProcess:
             name="pyshmckpt-writer",
             daemon=True,
         )
-        started = time.monotonic()
-        process.start()
-        child_conn.close()
+        self._started = time.monotonic()
+        try:
+            process.start()
+        except BaseException:
+            spool.close()
+            raise
+        finally:
+            child_conn.close()
         logger.debug("spawned writer process %d", process.pid)
         with self._lock:
             self._process, self._conn, self.pid = process, parent_conn, process.pid
-            closing = self._closing
-        if closing:  # close() ran while this was spawning: do not leave the child behind
+            self._spool = spool
+
+    def wait_ready(self) -> None:
+        """Wait for the spawned child to initialise (bounded by the init timeout), then hand it
+        the spooled writes.
+
+        Raises WriterStartTimeoutError ("Timed out ...", a TimeoutError) when it does not
+        acknowledge in time and WriterStartError (a RuntimeError) carrying the child's traceback
+        when initialisation raised or the child exited; spooled writes fail with that error.
+        """
+        process, parent_conn = self._process, self._conn
+        if process is None or parent_conn is None:
+            raise WriterStartError("the checkpoint writer process was never spawned")
+        if self._closing:  # close() ran while this was spawning: do not leave the child behind
             self._fail_start(
                 WriterDiedError("the checkpoint writer process was closed while starting")
             )
+        started = self._started
         message = self._receive_init(parent_conn, process.sentinel, started + self._init_timeout)
         if isinstance(message, Closed):
             self._join(self._shutdown_timeout)
@@ -185,10 +212,28 @@ class WriterProcess:
                 )
             )
         logger.info("writer process %d ready after %.2f s", process.pid, time.monotonic() - started)
+        self._adopt_spool(parent_conn)
         self._dispatcher = threading.Thread(
             target=self._dispatch, name="pyshmckpt-writer-dispatch", daemon=True
         )
         self._dispatcher.start()
+
+    def _adopt_spool(self, conn: Connection) -> None:
+        """From now on writes go to the pipe; the child serves the spooled ones first."""
+        with self._lock:
+            self._ready = True
+            spool, self._spool = self._spool, None
+            count = 0 if spool is None else spool.count
+            now = time.monotonic()
+            for item in self._pending.values():  # a spooled write's time starts now
+                if item.timeout is not None:
+                    item.deadline = now + item.timeout
+            # A failed send means the child died: the dispatcher, started next, reports that.
+            send(conn, Request(Kind.ADOPT, 0, payload={"count": count}))
+        if spool is not None:
+            spool.close()
+        if count:
+            logger.debug("handed %d spooled write(s) to writer process %d", count, self.pid)
 
     @staticmethod
     def _receive_init(conn: Connection, sentinel: int, deadline: float) -> Response | Closed | None:
@@ -202,6 +247,11 @@ class WriterProcess:
     def _fail_start(self, error: BaseException) -> NoReturn:
         self._failure = error
         self._reap()
+        with self._lock:
+            spool, self._spool = self._spool, None
+        if spool is not None:
+            spool.close()
+        self._fail_pending(error)  # spooled writes
         raise error
 
     @property
@@ -247,11 +297,22 @@ class WriterProcess:
                 payload = {**payload, "manifest": ManifestRef.of(manifest)}
             else:
                 self._sent_layouts[slot_name] = manifest.layout_key
+            request = Request(Kind.WRITE, request_id, generation, payload)
+            if not self._ready and self._spool is not None:  # the child is starting
+                try:
+                    self._spool.append(request)
+                except BaseException:
+                    self._sent_layouts.pop(slot_name, None)
+                    raise
+                self._pending[request_id] = _Pending(
+                    future, Kind.WRITE, generation, None, slot_name, timeout
+                )
+                return future
             self._pending[request_id] = _Pending(
                 future, Kind.WRITE, generation, deadline, slot_name
             )
             try:
-                sent = send(self._conn, Request(Kind.WRITE, request_id, generation, payload))  # type: ignore[arg-type]
+                sent = send(self._conn, request)  # type: ignore[arg-type]
             except BaseException:  # unpicklable kwargs and the like: nothing was queued
                 self._pending.pop(request_id, None)
                 self._sent_layouts.pop(slot_name, None)
