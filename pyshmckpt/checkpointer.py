@@ -171,21 +171,22 @@ class Checkpointer:
         self._run_id = _run_id(run_id, self.world_size, process_group)
         self._attempts = itertools.count(1)
         plain_only = spec.needs_plain_leaves and not self._allow_pickle
-        self._stager = ShmStager(
-            capacity_bytes=capacity_bytes,
-            slots=slots,
-            validate=_check_plain if plain_only else None,
-            pickle_unsupported=not plain_only,
-        )
         base = CheckpointProcessConfig() if config is None else CheckpointProcessConfig.of(config)
         if base.wait_for_start is None:  # the first save never waits for the writer to start
             base = dataclasses.replace(base, wait_for_start=False)
+        # The writer process starts first: it initializes while the arena is being created.
+        self._process = CheckpointProcess(
+            RankInfo(self.rank, self.world_size), base, no_init, (), spec.factory, writer_args
+        )
         try:
-            self._process = CheckpointProcess(
-                RankInfo(self.rank, self.world_size), base, no_init, (), spec.factory, writer_args
+            self._stager = ShmStager(
+                capacity_bytes=capacity_bytes,
+                slots=slots,
+                validate=_check_plain if plain_only else None,
+                pickle_unsupported=not plain_only,
             )
         except BaseException:
-            self._stager.close()
+            self._process.close(abort=True)
             raise
         self._pending: list[Future[Path]] = []
         self._lock = threading.Lock()

@@ -173,13 +173,23 @@ class Slot:
 
 
 class Arena:
-    """`num_slots` slots of `slot_capacity` bytes each, created (and pinned) together.
+    """`num_slots` slots of `slot_capacity` bytes each.
 
-    Creating an arena allocates and faults in every page, and page-locks them for CUDA when `pin`
+    Creating a slot allocates and faults in every page, and page-locks them for CUDA when `pin`
     is True (or None and CUDA is available); this is the expensive step, and it happens once.
+    All slots are created by the constructor, or with ``background=True`` only the first: the
+    others are created by a background thread and join the ring as they are ready (a slot it
+    cannot create is logged, and the arena goes on with the slots it has).
     """
 
-    def __init__(self, slot_capacity: int, num_slots: int = 2, *, pin: bool | None = None) -> None:
+    def __init__(
+        self,
+        slot_capacity: int,
+        num_slots: int = 2,
+        *,
+        pin: bool | None = None,
+        background: bool = False,
+    ) -> None:
         if not isinstance(slot_capacity, int) or isinstance(slot_capacity, bool):
             raise ConfigTypeError(
                 f"slot_capacity must be an int, not {type(slot_capacity).__name__}"
@@ -195,13 +205,14 @@ class Arena:
         self.pin_error = ""
         if pin is None:
             pin = cuda.cuda_available()
+        self._pin = pin
         self.slots: list[Slot] = []
+        self._cond = threading.Condition()
+        self.closed = False
+        self._creator: threading.Thread | None = None
         try:
-            for i in range(num_slots):
-                slot = Slot(self, i, self.slot_capacity)
-                self.slots.append(slot)
-                if pin and not slot.segment.pin(knobs.pin_chunk_bytes()):
-                    self.pin_error = self.pin_error or slot.segment.pin_error
+            for i in range(1 if background else num_slots):
+                self.slots.append(self._new_slot(i))
             if self.pin_error:
                 message = (
                     f"shared-memory arena {self.name} could not be pinned for CUDA "
@@ -213,12 +224,52 @@ class Arena:
             for slot in self.slots:
                 slot.close()
             raise
-        self._cond = threading.Condition()
-        self.closed = False
         logger.debug(
-            "created arena %s: %d slots of %d bytes%s",
-            self.name, num_slots, self.slot_capacity, ", pinned" if self.pinned else "",
+            "created arena %s: %d of %d slots of %d bytes%s",
+            self.name, len(self.slots), num_slots, self.slot_capacity,
+            ", pinned" if self.pinned else "",
         )  # fmt: skip
+        if len(self.slots) < num_slots:
+            self._creator = threading.Thread(
+                target=self._create_rest, args=(num_slots,), name="pyshmckpt-slots", daemon=True
+            )
+            self._creator.start()
+
+    def _new_slot(self, index: int) -> Slot:
+        slot = Slot(self, index, self.slot_capacity)
+        if self._pin and not slot.segment.pin(knobs.pin_chunk_bytes()):
+            self.pin_error = self.pin_error or slot.segment.pin_error
+        return slot
+
+    def _create_rest(self, num_slots: int) -> None:
+        """The background thread: create the remaining slots, each joining the ring when ready."""
+        first = self.slots[0]
+        with self._cond:  # after the first stage into slot 0, not during it: both need the cores
+            self._cond.wait_for(
+                lambda: (
+                    self.closed or (first.generation >= 0 and first.state is not SlotState.STAGING)
+                )
+            )
+        for index in range(len(self.slots), num_slots):
+            if self.closed:
+                return
+            try:
+                slot = self._new_slot(index)
+            except Exception as exc:
+                logger.warning(
+                    "arena %s: cannot create slot %d (%s); going on with %d slot(s)",
+                    self.name, index, exc, len(self.slots),
+                )  # fmt: skip
+                return
+            with self._cond:
+                closed = self.closed
+                if not closed:
+                    self.slots.append(slot)
+                    self._cond.notify_all()
+            if closed:  # while this slot was being created
+                slot.close()
+                return
+            logger.debug("arena %s: slot %d ready", self.name, index)
 
     @property
     def name(self) -> str:
@@ -295,6 +346,8 @@ class Arena:
                 return
             self.closed = True
             self._cond.notify_all()
+        if self._creator is not None:
+            self._creator.join()  # a slot being created is closed by the creator itself
         for slot in self.slots:
             slot.close()
 

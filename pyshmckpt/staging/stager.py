@@ -100,7 +100,8 @@ class ShmStager(*_bases):  # type: ignore[misc]
     Args:
         capacity_bytes: bytes per slot. Given, the arena is created, faulted in and pinned here,
             so the first stage costs what later ones do. None: sized from the first state dict
-            with ``headroom``.
+            with ``headroom`` (that stage creates one slot, the others are created in the
+            background; so does a move to a larger arena).
         slots: slots in the ring (default 2, ``PYSHMCKPT_SLOTS``).
         async_staging: return a Future from stage(); copies run on a background thread.
         allow_growth: when a state dict outgrows its slot, move to a larger arena (the old one is
@@ -331,7 +332,8 @@ class ShmStager(*_bases):  # type: ignore[misc]
                         "a state dict of %d bytes outgrows the %d-byte slots of %s: "
                         "moving to a larger arena", nbytes, arena.slot_capacity, arena.name,
                     )  # fmt: skip
-                arena = Arena(capacity, self._slots, pin=self._pin)
+                # The stage waiting here needs one slot: the others are made in the background.
+                arena = Arena(capacity, self._slots, pin=self._pin, background=True)
                 self._arenas.append(arena)
             self._collect_retired()
         return arena.acquire(next(self._generations), self._slot_timeout)

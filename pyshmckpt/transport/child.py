@@ -206,6 +206,7 @@ def writer_main(
     attached = AttachedSegments()
     watch = _TrainerWatch(parent_pid, orphans, attached, spool)
     watch.arm()
+    watch.busy(True)  # an orphaned writer's init is bounded like a write
     try:
         subprocess_init_fn(*subprocess_init_args)
         writer_args = dict(checkpoint_writer_init_args)
@@ -219,6 +220,7 @@ def writer_main(
     except BaseException:
         outbox.send(Response(Kind.INIT, 0, ok=False, error=traceback.format_exc()))
         return
+    watch.busy(False)
     outbox.send(Response(Kind.INIT, 0, ok=True, payload={"pid": os.getpid()}))
     logger.debug("writer process %d serves %s", os.getpid(), type(writer).__qualname__)
     views = SlotViews()

@@ -3,7 +3,8 @@
 `WriterProcess` spawns the child (`child.writer_main`), waits for its initialisation (bounded),
 sends one WRITE request per checkpoint and resolves a Future per request from a dispatcher
 thread. Writes submitted while the child is still starting go to its spool (`spool.Spool`), which
-the child inherits, and are handed over (ADOPT) once it is ready. The dispatcher waits on the pipe, the process sentinel and a wake-up pipe together, so a
+the child inherits, and are handed over (ADOPT) once it is ready. The dispatcher waits on the
+pipe, the process sentinel and a wake-up pipe together, so a
 dead writer fails its pending writes at once, and a write that overruns its deadline gets the
 writer killed (and reaped) before its future fails, so that its slot is never reused while it
 might be read. Log records the writer forwards are handed to the trainer's loggers.

@@ -46,7 +46,9 @@ class Spool:
             _write_all(self.fd, data, self._end + _LENGTH.size)
             _write_all(self.fd, _LENGTH.pack(len(data)), self._end)  # the record is complete now
         except OSError as exc:
-            raise from_os_error(exc, "cannot queue a write for the starting writer process") from None
+            raise from_os_error(
+                exc, "cannot queue a write for the starting writer process"
+            ) from None
         self._end += _LENGTH.size + len(data)
         self.count += 1
 
