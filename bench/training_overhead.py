@@ -4,7 +4,11 @@
 
 Trains the demo's GPT on the CPU for --steps steps per run, with a checkpoint every N steps
 through each way below, and without checkpoints; runs are interleaved (every repeat runs every
-way and N in a rotating order) and each figure is the median over --repeats. Slowdown = a run's
+way and N in a rotating order) and each figure is the median over --repeats. With --start warm
+(the default) the ways that run a writer process have it ready before the timed steps, as in a
+job that builds its checkpointer at set-up (the start-up is a one-time cost, which
+bench/first_save.py measures); with --start cold it starts when the run does and its start-up
+(a Python interpreter importing torch on the same cores) falls inside the timed steps. Slowdown = a run's
 wall time / the median run without checkpoints - 1. A save is started every N steps and training
 goes on; before the next save (and at the end) the previous one must be durable, as a training
 loop that keeps one checkpoint in flight does.
@@ -42,17 +46,19 @@ WAYS = ("pyshmckpt", "torch-exp", "dcp")
 class Saver:
     """One way of checkpointing: start(state, path) returns something to wait on."""
 
-    def __init__(self, way: str, root: Path) -> None:
+    def __init__(self, way: str, root: Path, warm: bool) -> None:
         self.way = way
         self.root = root
         self.count = 0
         self.close: Callable[[], None] = lambda: None
         if way == "pyshmckpt":
             checkpointer = pyshmckpt.Checkpointer(root, keep_last=2)
+            if warm:
+                checkpointer.wait_for_writer()
             self.start: Callable[[Any], Any] = lambda state: checkpointer.save(state)
             self.close = checkpointer.close
         elif way == "torch-exp":
-            self.start, self.close = _torch_experimental(root)
+            self.start, self.close = _torch_experimental(root, warm)
         elif way == "dcp":
             self.start = self._dcp
         else:
@@ -65,12 +71,11 @@ class Saver:
             return dcp.async_save(state, checkpoint_id=str(self.root / f"dcp-{self.count}"))
 
 
-def _torch_experimental(root: Path) -> tuple[Callable[[Any], Any], Callable[[], None]]:
+def _torch_experimental(root: Path, warm: bool) -> tuple[Callable[[Any], Any], Callable[[], None]]:
     """torch's transport as bench/transports.py builds it, with torch's own CheckpointWriter."""
     writer_class = _torch_private.experimental("checkpoint_writer", "CheckpointWriter")
     writer_config = _torch_private.experimental("checkpoint_writer", "CheckpointWriterConfig")
-    # Not waited for, like the Checkpointer's writer: both start-ups fall inside the run.
-    process = transports.torch_process(writer_class, {"config": writer_config()}, started=False)
+    process = transports.torch_process(writer_class, {"config": writer_config()}, started=warm)
     stager = transports.torch_stager()
     count = [0]
 
@@ -100,7 +105,7 @@ def train(args: argparse.Namespace, way: str | None, every: int, root: Path) -> 
     torch.manual_seed(0)
     model = gpt.GPT(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    saver = Saver(way, root) if way is not None else None
+    saver = Saver(way, root, args.start == "warm") if way is not None else None
     pending = None
     try:
         started = time.perf_counter()
@@ -126,6 +131,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--every", type=int, nargs="+", default=[1, 5, 20])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--start", choices=("warm", "cold"), default="warm",
+        help="writer processes ready before the timed steps (warm) or starting with them (cold)",
+    )  # fmt: skip
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
@@ -155,6 +164,7 @@ def main() -> None:
         for n in args.every
     }
     print(f"\nno checkpoints: {base:.2f} s for {args.steps} steps (median of {args.repeats})")
+    print(f"writer processes: {args.start} start")
     print(f"{'every N':>8s} " + " ".join(f"{way:>10s}" for way in WAYS) + "  ours / best other")
     for n in args.every:
         slow = [table[f"{way}@{n}"] for way in WAYS]
@@ -177,7 +187,7 @@ def main() -> None:
         ax.set_xscale("log")
         ax.set_xlabel("checkpoint every N steps")
         ax.set_ylabel("training slowdown (%)")
-        ax.set_title(f"GPT width {args.width}, {args.layers} layers, CPU")
+        ax.set_title(f"GPT width {args.width}, {args.layers} layers, CPU, {args.start} start")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)

@@ -7,6 +7,7 @@ checkpoint directory (across ranks too).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import errno
 import itertools
@@ -19,7 +20,14 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from .errors import ClosedError, ConfigError, ConfigTypeError, from_os_error, os_error
+from .errors import (
+    ClosedError,
+    ConfigError,
+    ConfigTypeError,
+    WriterStartTimeoutError,
+    from_os_error,
+    os_error,
+)
 from .staging import ShmStager
 from .storage import commit, tree_codec, writer_spec
 from .transport import CheckpointProcess, CheckpointProcessConfig, RankInfo, no_init
@@ -246,6 +254,20 @@ class Checkpointer:
         with self._lock:
             pending = list(self._pending)
         return [future.result(timeout=timeout) for future in pending]
+
+    def wait_for_writer(self, timeout: float | None = None) -> None:
+        """Wait until the writer process is ready (bounded by the writer's init timeout, and by
+        `timeout` seconds when given). Saves never need this (they are handed to the writer
+        once it is ready); a job may call it at set-up to keep the writer's start-up out of its
+        first training steps. Raises the writer's start error, or WriterStartTimeoutError."""
+        if self._closed:
+            raise ClosedError("Checkpointer is closed")
+        try:
+            self._process.process_creation_future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise WriterStartTimeoutError(
+                f"the checkpoint writer process was not ready within {timeout}s"
+            ) from None
 
     @property
     def writer_pid(self) -> int | None:

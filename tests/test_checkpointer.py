@@ -595,3 +595,32 @@ def test_replacing_exchanges_the_two_directories_atomically_on_this_filesystem(t
     assert (tmp_path / "b" / "which").read_text() == "a"
     with pytest.raises(FileNotFoundError):
         commit._exchange(tmp_path / "a", tmp_path / "missing")
+
+
+@pytest.mark.timeout(120)
+def test_the_first_save_does_not_wait_for_the_writer_and_wait_for_writer_does(tmp_path):
+    checkpointer = pyshmckpt.Checkpointer(tmp_path / "ckpt")
+    try:
+        started = checkpointer._process.process_creation_future
+        future = checkpointer.save({"w": torch.arange(100), "step": 1}, name="first")
+        # The writer takes seconds to start (a new interpreter importing torch): the save was
+        # spooled, not handed to a ready writer.
+        assert not started.done()
+        with pytest.raises(pyshmckpt.WriterStartTimeoutError):
+            checkpointer.wait_for_writer(timeout=0.001)
+        checkpointer.wait_for_writer(timeout=60)
+        assert future.result(timeout=60) == tmp_path / "ckpt" / "first"
+        assert torch.equal(pyshmckpt.load(tmp_path / "ckpt")["w"], torch.arange(100))
+    finally:
+        checkpointer.close()
+    with pytest.raises(pyshmckpt.ClosedError):
+        checkpointer.wait_for_writer()
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpointer_told_to_wait_for_its_writer_does(tmp_path):
+    config = pyshmckpt.CheckpointProcessConfig(wait_for_start=True)
+    with pyshmckpt.Checkpointer(tmp_path / "ckpt", config=config) as checkpointer:
+        checkpointer.save({"w": torch.ones(3)})
+        assert checkpointer._process.process_creation_future.done()
+        checkpointer.wait()
