@@ -158,6 +158,19 @@ class Manifest:
             h.update(self.sharding.digest())
         return h.digest()
 
+    def relaid(self, tree: Any, sharding: Sharding | None) -> Manifest:
+        """A manifest with these columns (shared, not copied) and a new tree and sharding.
+
+        For a state dict laid out as this one was (the caller checked it): the layout key, which
+        does not depend on the tree, is carried over instead of being hashed again, so the
+        sharding must have the same digest as this manifest's.
+        """
+        out = dataclasses.replace(self, tree=tree, sharding=sharding)
+        key = self.__dict__.get("layout_key")
+        if key is not None:
+            out.__dict__["layout_key"] = key  # the cached_property's own storage
+        return out
+
     def paths(self) -> list[tuple[Any, ...]]:
         """Key path of the first occurrence of every tensor, in tensor order."""
         out: list[tuple[Any, ...] | None] = [None] * len(self)
