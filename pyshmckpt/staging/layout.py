@@ -10,10 +10,13 @@ in the part of the slot a writer may read). Anything that cannot be staged raise
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import gc
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -665,6 +668,31 @@ class _Matcher:
             raise _Mismatch(f"a tensor cannot be pickled: {exc!r}") from None
 
 
+_GC_LOCK = threading.Lock()
+_GC_PAUSES = [0, False]  # pauses in progress, whether automatic collection was on at the first
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector's automatic runs (not gc.collect()) for a stretch that
+    allocates thousands of small objects that refcounting frees: otherwise each stage triggers
+    full collections, whose cost grows with every object of the process, not with the state
+    dict. Nests and works across threads; the collector is re-enabled after the last pause only
+    if it was enabled before the first."""
+    with _GC_LOCK:
+        if _GC_PAUSES[0] == 0:
+            _GC_PAUSES[1] = gc.isenabled()
+            gc.disable()
+        _GC_PAUSES[0] += 1
+    try:
+        yield
+    finally:
+        with _GC_LOCK:
+            _GC_PAUSES[0] -= 1
+            if _GC_PAUSES[0] == 0 and _GC_PAUSES[1]:
+                gc.enable()
+
+
 class Planner:
     """Plans state dicts like `plan()`, reusing the layout of the last one when the next has the
     same structure (see the notes above `PlannerStats`); `stats` says how often it did.
@@ -681,7 +709,7 @@ class Planner:
 
     def plan(self, state_dict: Any) -> StagingPlan:
         """A StagingPlan for `state_dict`; raises UnsupportedValueError as `plan()` does."""
-        with self._lock:
+        with self._lock, gc_paused():
             template = self._template
             if template is not None and self.reuse:
                 try:

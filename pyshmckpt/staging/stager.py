@@ -381,7 +381,8 @@ class ShmStager(*_bases):  # type: ignore[misc]
         try:
             copies = self._start_copies(staging_plan, slot, producers)
             if not lease:  # building the staged tensors overlaps with the copies
-                staged = rebuild(manifest, slot.base, slot.offset)
+                with layout.gc_paused():
+                    staged = rebuild(manifest, slot.base, slot.offset)
             copies.wait()
         except BaseException as exc:
             if copies is not None:
