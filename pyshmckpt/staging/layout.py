@@ -10,10 +10,13 @@ in the part of the slot a writer may read). Anything that cannot be staged raise
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import gc
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -252,6 +255,11 @@ def plan(state_dict: Any, *, pickle_unsupported: bool = False) -> StagingPlan:
     With pickle_unsupported, tensors a slot cannot hold (sparse, nested, quantized, meta,
     subclasses) become `Pickled` leaves (deep copies, carried beside the slot) instead.
     """
+    return _plan(state_dict, pickle_unsupported)[0]
+
+
+def _plan(state_dict: Any, pickle_unsupported: bool) -> tuple[StagingPlan, _Template]:
+    """A full plan, and what a Planner keeps to reuse its layout for the next state dict."""
     walker = _Walker(pickle_unsupported)
     try:
         tree = walker.walk(state_dict)
@@ -389,9 +397,28 @@ def plan(state_dict: Any, *, pickle_unsupported: bool = False) -> StagingPlan:
         size=size,
         sharding=Sharding.of(walker.dtensors) if walker.dtensors else None,
     )
-    return StagingPlan(
+    staging_plan = StagingPlan(
         manifest=manifest, host=host, device=devices, gathers=gathers, sources=tensors
     )
+    # What a later state dict must match to reuse this layout, and how to refill the rows.
+    member = staged[~is_gather]  # tensors copied as part of a block (not gathered)
+    raw_blocks = np.flatnonzero(raw)
+    template = _Template(
+        manifest=manifest,
+        signature=_signature(tensors),
+        dtensors=frozenset(walker.dtensors),
+        start=start.astype(np.uint64),
+        member=member,
+        member_block=np.searchsorted(raw_blocks, group[~is_gather]),
+        block_first=first_member[raw],
+        block_lo=lo[raw].astype(np.uint64),
+        block_device=block_device,
+        storage=storage[first_member[raw]],
+        host=host,
+        device=devices,
+        gathers=np.flatnonzero(gather),
+    )
+    return staging_plan, template
 
 
 # Zero bytes that gap-filling host copies read from. A plan holds only the address, so buffers are
@@ -427,3 +454,317 @@ def _gap_rows(
         out[:, 1] = (block_offset[:-1] + block_bytes[:-1])[has_gap]
         out[:, 2] = gap[has_gap]
     return out
+
+
+# -- plan reuse ------------------------------------------------------------------------------------
+#
+# A training loop stages state dicts of one structure again and again. A Planner keeps the layout
+# of the last one and checks the next against it: the same containers and keys, the same tensor
+# objects pattern (which places hold one object), and for each tensor the same class, dtype,
+# shape, stride, storage offset, device, layout, autograd flags and lazy conj/neg bits, the same
+# storage-sharing pattern and (for DTensors) the same placements. Then offsets and manifest columns
+# are the old ones; only the copy rows' source addresses, the leaves and the DTensor specs are
+# new. Any difference falls back to a full plan.
+
+
+@dataclasses.dataclass
+class PlannerStats:
+    """What a Planner did: full plans, plans reused, and why the last full plan was needed."""
+
+    plans: int = 0
+    reuses: int = 0
+    last_replan: str | None = None  # None: no plan to reuse yet (or the last one was reused)
+
+
+Signature = tuple[list[Any], ...]
+
+
+def _signature(tensors: list[torch.Tensor]) -> Signature:
+    """Everything about each tensor that places it in a slot, one column per attribute.
+
+    Columns compare with one ``==`` each, in C. Raises whatever torch raises for a tensor without
+    strides (sparse, nested): the caller treats that as a mismatch.
+    """
+    return (
+        [type(t) for t in tensors],
+        [t.dtype for t in tensors],
+        [t.shape for t in tensors],
+        [t.stride() for t in tensors],
+        [t.storage_offset() for t in tensors],
+        [t.device for t in tensors],
+        [t.layout for t in tensors],
+        [t.requires_grad for t in tensors],
+        [t.is_conj() for t in tensors],
+        [t.is_neg() for t in tensors],
+    )
+
+
+@dataclasses.dataclass
+class _Template:
+    """A full plan less its tensors (a Planner must not keep training memory alive), with what
+    refills its copy rows for other tensors of the same layout."""
+
+    manifest: Manifest
+    signature: Signature
+    dtensors: frozenset[int]  # indices of tensors that are DTensors' local shards
+    start: np.ndarray  # (n,) uint64: byte offset of element 0 in its storage
+    member: np.ndarray  # tensors copied as part of a block (staged, not gathered)
+    member_block: np.ndarray  # the block of each, as an index into the block_* arrays
+    block_first: np.ndarray  # per block copied by rows: the tensor whose storage it copies
+    block_lo: np.ndarray  # uint64: where the block starts in that storage
+    block_device: np.ndarray  # -1 (host) or the CUDA device index
+    storage: np.ndarray  # uint64: storage address of each block in the last plan
+    host: np.ndarray  # the last plan's host rows (blocks on the host, then gap rows)
+    device: dict[int, np.ndarray]
+    gathers: np.ndarray  # indices of gathered tensors
+
+    def rows(self, storage: np.ndarray) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """Fresh host and device rows reading the blocks from `storage` (per block)."""
+        if np.array_equal(storage, self.storage):
+            return self.host, self.device  # never written to once made: safe to share
+        source = storage + self.block_lo
+        host = self.host.copy()
+        on_host = self.block_device < 0
+        host[: int(np.count_nonzero(on_host)), 0] = source[on_host]
+        device = {}
+        for d, old in self.device.items():
+            rows = old.copy()
+            rows[:, 0] = source[self.block_device == d]
+            device[d] = rows
+        return host, device
+
+
+class _Mismatch(Exception):
+    """The state dict differs from the template's; the reason goes to PlannerStats."""
+
+
+class _Matcher:
+    """Walks a state dict along a template's tree: collects its tensors in tree order, takes fresh
+    copies of the leaves and raises _Mismatch at the first structural difference."""
+
+    def __init__(self, count: int, dtensors: frozenset[int]) -> None:
+        self.seen: list[Any] = [None] * count  # tensor index -> the object found there
+        self.tensors: list[Any] = [None] * count  # the tensor to copy (a DTensor's local shard)
+        self.dtensors = dtensors
+        self.found: dict[int, tuple[Any, Any]] = {}  # index -> (DTensor, ShardInfo)
+        self.memo: dict[int, Any] = {}
+
+    def match(self, obj: Any, node: Any) -> Any:
+        if type(node) is int:
+            self._tensor(obj, node)
+            return node
+        kind = node[0]
+        cls = type(obj)
+        if kind == DICT:
+            if cls is not dict or len(obj) != len(node[1]) or tuple(obj) != node[1]:
+                raise _Mismatch("a dict's keys changed")
+            return self._children(obj.values(), node)
+        if kind == LIST or kind == TUPLE:
+            if cls is not (list if kind == LIST else tuple) or len(obj) != len(node[2]):
+                raise _Mismatch("a list or tuple changed type or length")
+            return self._children(obj, node)
+        if kind == NAMED_TUPLE:
+            if cls is not node[3] or len(obj) != len(node[2]):
+                raise _Mismatch("a named tuple changed type or length")
+            return self._children(obj, node)
+        if kind == LEAF:
+            return self._leaf(obj, node)
+        if kind == REDUCED:
+            return self._reduced(obj, node)
+        return self._pickled(obj)
+
+    def _children(self, values: Any, node: tuple[Any, ...]) -> tuple[Any, ...]:
+        children = node[2]
+        out = None
+        match = self.match
+        for i, (value, child) in enumerate(zip(values, children, strict=True)):
+            if type(child) is int:
+                self._tensor(value, child)
+                continue
+            new = match(value, child)
+            if new is not child:
+                if out is None:
+                    out = list(children)
+                out[i] = new
+        if out is None:
+            return node  # only tensors and unchanged atoms below: the old node serves
+        return (*node[:2], tuple(out), *node[3:])
+
+    def _tensor(self, obj: Any, index: int) -> None:
+        seen = self.seen[index]
+        if seen is not None:
+            if seen is not obj:
+                raise _Mismatch("a tensor appearing twice is now two tensors")
+            return
+        cls = type(obj)
+        if index in self.dtensors:
+            if cls is not dtensor_type():
+                raise _Mismatch("a DTensor is now something else")
+            try:
+                info = shard_info(obj)
+            except UnsupportedValueError:
+                raise _Mismatch("a DTensor's shard cannot be described") from None
+            self.found[index] = (obj, info)
+            self.tensors[index] = _torch_private.local_tensor(obj)
+        elif cls is torch.Tensor or cls is torch.nn.Parameter:
+            self.tensors[index] = obj
+        else:
+            raise _Mismatch("a tensor is now something else")
+        self.seen[index] = obj
+
+    def _leaf(self, obj: Any, node: tuple[Any, ...]) -> tuple[Any, ...]:
+        cls = type(obj)
+        if cls in _ATOMIC:
+            # Only the same object: equal is not enough (0.0 == -0.0, 1 == True).
+            return node if node[1] is obj else (LEAF, obj)
+        if isinstance(obj, (torch.Tensor, dict, list, tuple)):
+            raise _Mismatch("a leaf is now a tensor or a container")
+        try:
+            return (LEAF, copy.deepcopy(obj, self.memo))
+        except Exception as exc:
+            raise _Mismatch(f"a leaf cannot be copied: {exc!r}") from None
+
+    def _reduced(self, obj: Any, node: tuple[Any, ...]) -> tuple[Any, ...]:
+        _, keys, children, func = node[:4]
+        cls = type(obj)
+        if (
+            cls is dict
+            or cls is list
+            or not isinstance(obj, (dict, list))
+            or isinstance(obj, dict) != (keys is not None)
+        ):
+            raise _Mismatch("a container changed type")
+        try:
+            reduced = obj.__reduce_ex__(4)
+            func_now, args, state, listitems, dictitems = (*reduced, None, None, None)[:5]
+            if func_now is not func:
+                raise _Mismatch("a container changed type")
+            args, state = copy.deepcopy((args, state), self.memo)
+            if keys is not None:
+                items = list(dictitems) if dictitems is not None else []
+                if len(items) != len(keys) or tuple([k for k, _ in items]) != keys:
+                    raise _Mismatch("a dict's keys changed")
+                values: list[Any] = [v for _, v in items]
+            else:
+                values = list(listitems) if listitems is not None else []
+                if len(values) != len(children):
+                    raise _Mismatch("a list changed length")
+        except _Mismatch:
+            raise
+        except Exception as exc:
+            raise _Mismatch(f"a container cannot be reduced: {exc!r}") from None
+        new = self._children(values, node)
+        return (REDUCED, keys, new[2], func, args, state)
+
+    def _pickled(self, obj: Any) -> tuple[Any, ...]:
+        if not isinstance(obj, torch.Tensor) or type(obj) is dtensor_type():
+            raise _Mismatch("a pickled value changed kind")
+        problem = _tensor_problem(obj)
+        if problem is None:
+            raise _Mismatch("a tensor that travelled pickled can now be staged")
+        try:
+            return (PICKLED, Pickled.snapshot(obj))
+        except Exception as exc:
+            raise _Mismatch(f"a tensor cannot be pickled: {exc!r}") from None
+
+
+_GC_LOCK = threading.Lock()
+_GC_PAUSES = [0, False]  # pauses in progress, whether automatic collection was on at the first
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector's automatic runs (not gc.collect()) for a stretch that
+    allocates thousands of small objects that refcounting frees: otherwise each stage triggers
+    full collections, whose cost grows with every object of the process, not with the state
+    dict. Nests and works across threads; the collector is re-enabled after the last pause only
+    if it was enabled before the first."""
+    with _GC_LOCK:
+        if _GC_PAUSES[0] == 0:
+            _GC_PAUSES[1] = gc.isenabled()
+            gc.disable()
+        _GC_PAUSES[0] += 1
+    try:
+        yield
+    finally:
+        with _GC_LOCK:
+            _GC_PAUSES[0] -= 1
+            if _GC_PAUSES[0] == 0 and _GC_PAUSES[1]:
+                gc.enable()
+
+
+class Planner:
+    """Plans state dicts like `plan()`, reusing the layout of the last one when the next has the
+    same structure (see the notes above `PlannerStats`); `stats` says how often it did.
+
+    The cached layout holds no tensor, so it keeps no training memory alive. Thread-safe.
+    """
+
+    def __init__(self, *, pickle_unsupported: bool = False, reuse: bool = True) -> None:
+        self.pickle_unsupported = pickle_unsupported
+        self.reuse = reuse
+        self.stats = PlannerStats()
+        self._template: _Template | None = None
+        self._lock = threading.Lock()
+
+    def plan(self, state_dict: Any) -> StagingPlan:
+        """A StagingPlan for `state_dict`; raises UnsupportedValueError as `plan()` does."""
+        with self._lock, gc_paused():
+            template = self._template
+            if template is not None and self.reuse:
+                try:
+                    reused = _reuse(template, state_dict)
+                except _Mismatch as exc:
+                    self.stats.last_replan = str(exc)
+                else:
+                    self.stats.reuses += 1
+                    self.stats.last_replan = None
+                    return reused
+            self._template = None  # a state dict that fails to plan leaves nothing to reuse
+            staging_plan, self._template = _plan(state_dict, self.pickle_unsupported)
+            self.stats.plans += 1
+            return staging_plan
+
+    def forget(self) -> None:
+        """Drop the cached layout: the next state dict is planned in full."""
+        with self._lock:
+            self._template = None
+
+
+def _reuse(template: _Template, state_dict: Any) -> StagingPlan:
+    """`template`'s layout with `state_dict`'s tensors and leaves; _Mismatch if it differs."""
+    manifest = template.manifest
+    n = len(manifest)
+    matcher = _Matcher(n, template.dtensors)
+    tree = matcher.match(state_dict, manifest.tree)
+    tensors = matcher.tensors
+    if n and len({id(obj) for obj in matcher.seen}) != n:
+        raise _Mismatch("two tensors are now one object")
+    try:
+        signature = _signature(tensors)
+    except Exception as exc:  # no strides: sparse, nested and the like
+        raise _Mismatch(f"a tensor has no strided layout: {exc!r}") from None
+    if signature != template.signature:
+        raise _Mismatch("a tensor's class, dtype, shape, stride, offset, device or flags changed")
+    sharding = None
+    if template.dtensors:
+        sharding = Sharding.of(matcher.found)
+        if manifest.sharding is None or sharding.digest() != manifest.sharding.digest():
+            raise _Mismatch("a DTensor's placement changed")
+    # Storage addresses, element 0 less its offset (cheaper than untyped_storage()). Tensors that
+    # shared a storage must still share one, and no two blocks may now share one.
+    pointers = np.fromiter([t.data_ptr() for t in tensors], dtype=np.uint64, count=n)
+    storage = pointers - template.start
+    block_storage = storage[template.block_first]
+    if not np.array_equal(storage[template.member], block_storage[template.member_block]):
+        raise _Mismatch("tensors that shared a storage no longer do")
+    # Blocks at the addresses of the last plan are distinct as they were then.
+    if not np.array_equal(block_storage, template.storage) and len(np.unique(block_storage)) != len(
+        block_storage
+    ):
+        raise _Mismatch("tensors that did not share a storage now do")
+    host, device = template.rows(block_storage)
+    template.storage, template.host, template.device = block_storage, host, device
+    gathers = [(i, tensors[i]) for i in template.gathers.tolist()]
+    relaid = manifest.relaid(tree, sharding)
+    return StagingPlan(manifest=relaid, host=host, device=device, gathers=gathers, sources=tensors)

@@ -158,6 +158,41 @@ class Manifest:
             h.update(self.sharding.digest())
         return h.digest()
 
+    @functools.cached_property
+    def view_args(self) -> tuple[list[Any], list[Any], list[int], list[int]]:
+        """Per tensor: shape, stride, dtype code and byte offset (-1 without a block), as Python
+        values, worked out once per layout for `make_tensors`."""
+        bounds = np.concatenate([[0], np.cumsum(self.ndim, dtype=np.int64)]).tolist()
+        shapes = self.shapes.tolist()
+        strides = self.strides.tolist()
+        spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+        return (
+            [tuple(shapes[a:b]) for a, b in spans],
+            [tuple(strides[a:b]) for a, b in spans],
+            self.dtype.tolist(),
+            np.where(self.block >= 0, self.offset, -1).tolist(),
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # view_args is as large as the columns and cheap to redo: it does not cross processes.
+        state = dict(self.__dict__)
+        state.pop("view_args", None)
+        return state
+
+    def relaid(self, tree: Any, sharding: Sharding | None) -> Manifest:
+        """A manifest with these columns (shared, not copied) and a new tree and sharding.
+
+        For a state dict laid out as this one was (the caller checked it): the layout key, which
+        does not depend on the tree, is carried over instead of being hashed again, so the
+        sharding must have the same digest as this manifest's.
+        """
+        out = dataclasses.replace(self, tree=tree, sharding=sharding)
+        for name in ("layout_key", "view_args"):  # cached_property values: same columns
+            value = self.__dict__.get(name)
+            if value is not None:
+                out.__dict__[name] = value
+        return out
+
     def paths(self) -> list[tuple[Any, ...]]:
         """Key path of the first occurrence of every tensor, in tensor order."""
         out: list[tuple[Any, ...] | None] = [None] * len(self)
@@ -261,17 +296,19 @@ def make_tensors(
     blocks = manifest.block.tolist()
     flags = manifest.flags.tolist()
     codes = manifest.dtype.tolist()
-    out = []
+    out: list[torch.Tensor] = []
     pos = 0
     with torch.no_grad():
         if shared is not None:
             bases = [shared(d) for d in dtypes]
             sizes = [d.itemsize for d in dtypes]
-            for i, code in enumerate(codes):
-                end = pos + ndim[i]
-                elements = (offsets[i] + slot_offset) // sizes[code] if blocks[i] >= 0 else 0
-                out.append(bases[code].as_strided(shapes[pos:end], strides[pos:end], elements))
-                pos = end
+            view_shapes, view_strides, view_codes, view_offsets = manifest.view_args
+            append = out.append
+            for shape, stride, code, offset in zip(
+                view_shapes, view_strides, view_codes, view_offsets, strict=True
+            ):
+                element = (offset + slot_offset) // sizes[code] if offset >= 0 else 0
+                append(bases[code].as_strided(shape, stride, element))
         else:
             if base is None:
                 raise ConfigTypeError("make_tensors needs `base` or `shared`")

@@ -115,6 +115,9 @@ class ShmStager(*_bases):  # type: ignore[misc]
         pickle_unsupported: values a slot cannot hold (sparse, nested, quantized and meta tensors,
             tensor subclasses) are deep-copied and carried pickled beside the slot, as torch's
             transport would pickle them, instead of raising UnsupportedValueError.
+        reuse_plans: a state dict of the same structure as the previous one (same containers,
+            keys, tensor dtypes, shapes, strides, devices and storage sharing) reuses its layout
+            after a check, instead of being laid out again; ``plan_stats`` counts both.
 
     A slot stays busy while its staged tensors are referenced in this process or until
     ``release()`` is called for it.
@@ -132,6 +135,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
         headroom: float | None = None,
         validate: Callable[[Manifest], None] | None = None,
         pickle_unsupported: bool = False,
+        reuse_plans: bool = True,
     ) -> None:
         self._closed = True  # until fully constructed, so __del__ has nothing to do
         if capacity_bytes is not None and (
@@ -157,6 +161,9 @@ class ShmStager(*_bases):  # type: ignore[misc]
             )
         self._validate = validate
         self._pickle_unsupported = bool(pickle_unsupported)
+        self._planner = layout.Planner(
+            pickle_unsupported=self._pickle_unsupported, reuse=bool(reuse_plans)
+        )
         self._allow_growth = bool(allow_growth)
         self._pin = pin
         self._async = bool(async_staging)
@@ -191,6 +198,12 @@ class ShmStager(*_bases):  # type: ignore[misc]
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def plan_stats(self) -> layout.PlannerStats:
+        """Full layouts and reused ones so far (see ``reuse_plans``), and why the last full
+        layout was needed."""
+        return self._planner.stats
+
     def stage(self, state_dict: Any, **kwargs: Any) -> Any:
         """Stage `state_dict`; returns the staged copy, or a Future of it with async_staging.
 
@@ -201,7 +214,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
         """
         self._check_open()
         # Validation first: nothing is staged for bad input.
-        staging_plan = layout.plan(state_dict, pickle_unsupported=self._pickle_unsupported)
+        staging_plan = self._planner.plan(state_dict)
         if self._validate is not None:
             self._validate(staging_plan.manifest)
         if self._executor is None:
@@ -240,7 +253,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
         """Stage `state_dict` into a slot of its own and lease it: no staged copy is handed out,
         and giving the handle back frees the slot. Blocking, whatever `async_staging` says."""
         self._check_open()
-        staging_plan = layout.plan(state_dict, pickle_unsupported=self._pickle_unsupported)
+        staging_plan = self._planner.plan(state_dict)
         if self._validate is not None:
             self._validate(staging_plan.manifest)
         slot, _ = self._stage_plan(staging_plan, None, lease=True)
@@ -370,7 +383,8 @@ class ShmStager(*_bases):  # type: ignore[misc]
         try:
             copies = self._start_copies(staging_plan, slot, producers)
             if not lease:  # building the staged tensors overlaps with the copies
-                staged = rebuild(manifest, slot.base, slot.offset)
+                with layout.gc_paused():
+                    staged = rebuild(manifest, slot.base, slot.offset)
             copies.wait()
         except BaseException as exc:
             if copies is not None:

@@ -22,6 +22,7 @@ from pyshmckpt import (
     UnsupportedValueError,
 )
 from pyshmckpt.staging import stager as stager_module
+from pyshmckpt.staging.manifest import build
 
 MIB = 1 << 20
 
@@ -412,3 +413,102 @@ def test_views_with_gaps_of_every_item_size_are_gathered(stager, dtype):
         else:
             staged_value = staged[key]
         assert torch.equal(staged_value, expected)
+
+
+# -- reusing the layout of the previous state dict ----------------------------------------------
+
+
+def test_a_repeated_state_dict_reuses_its_layout_and_stages_fresh_values(stager):
+    sd = state()
+    first = stager.stage(sd)
+    key = stager.handle(first).manifest.layout_key
+    del first
+    with torch.no_grad():
+        sd["w"].add_(1)
+    sd["nested"][1]["step"] = 8
+    staged = stager.stage(sd)
+    stats = stager.plan_stats
+    assert (stats.plans, stats.reuses) == (1, 1)
+    assert torch.equal(staged["w"], sd["w"])
+    assert staged["nested"][1] == {"step": 8}
+    handle = stager.handle(staged)
+    assert handle.manifest.layout_key == key
+    assert handle.manifest.tree is not None
+    # Still a snapshot.
+    sd["nested"][1]["step"] = 9
+    with torch.no_grad():
+        sd["w"].add_(1)
+    assert staged["nested"][1] == {"step": 8}
+    assert not torch.equal(staged["w"], sd["w"])
+
+
+def test_a_changed_layout_is_planned_in_full_with_a_new_layout_key(stager):
+    sd = state()
+    key = stager.handle(stager.stage(sd)).manifest.layout_key
+    sd["w"] = torch.full((32, 64), 3.0)
+    staged = stager.stage(sd)
+    assert (stager.plan_stats.plans, stager.plan_stats.reuses) == (2, 0)
+    assert stager.handle(staged).manifest.layout_key != key
+    assert torch.equal(staged["w"], sd["w"])
+
+
+def test_stage_leased_reuses_layouts_too(stager):
+    sd = state()
+    for step in range(3):
+        sd["nested"][1]["step"] = step
+        handle = stager.stage_leased(sd)
+        rebuilt = build(handle.manifest.tree, [None] * len(handle.manifest))
+        assert rebuilt["nested"][1]["step"] == step  # the leaf of this save, not the first's
+        handle.give_back()
+    assert (stager.plan_stats.plans, stager.plan_stats.reuses) == (1, 2)
+
+
+def test_reuse_plans_false_lays_out_every_state_dict():
+    with ShmStager(reuse_plans=False, slot_timeout=0.5) as s:
+        sd = state()
+        s.stage(sd)
+        s.stage(sd)
+        assert (s.plan_stats.plans, s.plan_stats.reuses) == (2, 0)
+
+
+def test_untying_a_storage_after_reuse_stages_both_tensors(stager):
+    w = torch.randn(8, 8)
+    sd = {"embed": w, "head": w.detach()}
+    stager.stage(sd)
+    stager.stage(sd)
+    sd["head"] = w.clone()
+    with torch.no_grad():
+        sd["head"].fill_(5)
+    staged = stager.stage(sd)
+    assert stager.plan_stats.plans == 2
+    assert torch.equal(staged["embed"], w)
+    assert torch.equal(staged["head"], torch.full((8, 8), 5.0))
+    assert staged["embed"].data_ptr() != staged["head"].data_ptr()
+
+
+def test_a_dtensor_placement_change_is_planned_in_full(stager):
+    dist = pytest.importorskip("torch.distributed")
+    tensor = pytest.importorskip("torch.distributed.tensor")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group of another test")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        mesh = dist.device_mesh.DeviceMesh("cpu", [0])
+        x = torch.arange(12.0).reshape(4, 3)
+        sharded = tensor.distribute_tensor(x, mesh, [tensor.Shard(0)])
+        replicated = tensor.distribute_tensor(x, mesh, [tensor.Replicate()])
+        staged = stager.stage({"w": sharded})
+        key = stager.handle(staged).manifest.layout_key
+        del staged
+        staged = stager.stage({"w": sharded})
+        assert stager.plan_stats.reuses == 1
+        assert staged["w"].placements == (tensor.Shard(0),)
+        del staged
+        staged = stager.stage({"w": replicated})
+        assert (stager.plan_stats.plans, stager.plan_stats.reuses) == (2, 1)
+        assert staged["w"].placements == (tensor.Replicate(),)
+        assert torch.equal(staged["w"].to_local(), x)
+        assert stager.handle(staged).manifest.layout_key != key
+        del staged
+    finally:
+        dist.destroy_process_group()
