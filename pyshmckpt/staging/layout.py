@@ -379,7 +379,8 @@ def _plan(state_dict: Any, pickle_unsupported: bool) -> tuple[StagingPlan, _Temp
     host = np.concatenate([rows[block_device < 0], gaps])
     devices = {
         int(d): np.ascontiguousarray(rows[block_device == d])
-        for d in np.unique(block_device[block_device >= 0])
+        # (not np.unique, which imports numpy.ma on first use: 15 ms of a first save)
+        for d in sorted(set(block_device[block_device >= 0].tolist()))
     }
 
     manifest = Manifest(
@@ -759,10 +760,10 @@ def _reuse(template: _Template, state_dict: Any) -> StagingPlan:
     if not np.array_equal(storage[template.member], block_storage[template.member_block]):
         raise _Mismatch("tensors that shared a storage no longer do")
     # Blocks at the addresses of the last plan are distinct as they were then.
-    if not np.array_equal(block_storage, template.storage) and len(np.unique(block_storage)) != len(
-        block_storage
-    ):
-        raise _Mismatch("tensors that did not share a storage now do")
+    if not np.array_equal(block_storage, template.storage):
+        ordered = np.sort(block_storage)
+        if (ordered[1:] == ordered[:-1]).any():
+            raise _Mismatch("tensors that did not share a storage now do")
     host, device = template.rows(block_storage)
     template.storage, template.host, template.device = block_storage, host, device
     gathers = [(i, tensors[i]) for i in template.gathers.tolist()]
