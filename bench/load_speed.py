@@ -11,7 +11,8 @@ its AdamW state after one step, about 200 MiB). pyshmckpt's copy is written by a
 an order rotated from round to round, and its time includes reading every byte of what it
 returned (a CRC32C over each distinct storage, single-threaded, the same for every reader):
 
-* ``ours``            pyshmckpt.load(verify=True) (default mmap) + read
+* ``ours``            pyshmckpt.load(verify=True) (the default mmap setting) + read
+* ``ours_mmap``       pyshmckpt.load(verify=True, mmap=True) + read
 * ``ours_nommap``     pyshmckpt.load(verify=True, mmap=False) + read
 * ``torch``           torch.load(mmap=False, weights_only=True) + read
 * ``torch_mmap``      torch.load(mmap=True, weights_only=True) + read
@@ -156,6 +157,7 @@ def readers(kind: str, ours: Path, theirs: Path, flat_size: tuple[int, int]) -> 
 
     out: dict[str, Any] = {
         "ours": plain(lambda: pyshmckpt.load(ours, verify=True)),
+        "ours_mmap": plain(lambda: pyshmckpt.load(ours, verify=True, mmap=True)),
         "ours_nommap": plain(lambda: pyshmckpt.load(ours, verify=True, mmap=False)),
         "torch": plain(lambda: torch.load(theirs, mmap=False, weights_only=True)),
         "torch_mmap": plain(lambda: torch.load(theirs, mmap=True, weights_only=True)),
