@@ -12,6 +12,7 @@
 #include "checksum.h"
 #include "copy_engine.h"
 #include "errors.h"
+#include "file_reader.h"
 #include "pinning.h"
 #include "segment.h"
 #include "thread_pool.h"
@@ -289,6 +290,51 @@ until the event completes; the caller keeps the owning tensors alive until then.
       },
       py::arg("data"), py::arg("value") = 0,
       "CRC32C of a contiguous buffer, continuing from `value`; the GIL is released.");
+  m.def(
+      "crc32c_combine",
+      [](std::uint32_t crc_a, std::uint32_t crc_b, std::uint64_t len_b) {
+        return crc32c_combine(crc_a, crc_b, len_b);
+      },
+      py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"),
+      "CRC32C of A + B from crc32c(A), crc32c(B) and len(B).");
+  m.def(
+      "read_file_ranges",
+      [](int fd, const U64Array& entries, bool checksums, const std::string& path) {
+        if (entries.ndim() != 2 || entries.shape(1) != 3) {
+          throw ArgumentError("read entries must be an array of shape (n, 3): file offset, address, nbytes");
+        }
+        static_assert(sizeof(ReadEntry) == 3 * sizeof(std::uint64_t), "ReadEntry must be packed");
+        const std::size_t count = static_cast<std::size_t>(entries.shape(0));
+        const auto* e = reinterpret_cast<const ReadEntry*>(entries.data());
+        for (std::size_t i = 0; i < count; ++i) {
+          const std::uint64_t end = e[i].file_offset + e[i].nbytes;
+          if (end < e[i].file_offset || end > static_cast<std::uint64_t>(INT64_MAX) ||
+              (e[i].nbytes != 0 && e[i].address == 0) ||
+              e[i].address + e[i].nbytes < e[i].address) {
+            throw ArgumentError("read entry " + std::to_string(i) + " of '" + path +
+                                "' has an invalid offset, address or size");
+          }
+        }
+        py::array_t<std::uint32_t> crcs(static_cast<py::ssize_t>(count));
+        py::array_t<std::uint64_t> got(static_cast<py::ssize_t>(count));
+        std::uint32_t* c = crcs.mutable_data();
+        std::uint64_t* g = got.mutable_data();
+        {
+          py::gil_scoped_release release;
+          read_file_ranges(fd, e, count, checksums, path, c, g);
+        }
+        return py::make_tuple(crcs, got);
+      },
+      py::arg("fd"), py::arg("entries"), py::arg("checksums"), py::arg("path"),
+      R"doc(
+Read byte ranges of the open file `fd` into memory with pread on the thread pool, the GIL
+released: `entries` is an (n, 3) uint64 array of file offset, destination address and byte count.
+Returns (crcs, got): each entry's CRC32C of the bytes as they landed (0 without `checksums`) and
+the bytes read (fewer than asked when the file ends first). A failed pread raises OSError with
+its errno and `path`.
+SAFETY: every destination must be writable memory of at least its byte count, not overlapping
+another entry's, that the caller keeps alive and leaves alone until this returns.
+)doc");
   m.def("crc32c_hardware", &crc32c_hardware, "True when CRC32C uses a CPU instruction.");
   m.def("num_threads", [] { return ThreadPool::instance().num_threads(); },
         "Threads used by copies, prefaulting and checksums (the caller's included).");

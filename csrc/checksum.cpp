@@ -68,7 +68,43 @@ std::uint32_t crc32c_hw(const std::uint8_t* p, std::size_t n, std::uint32_t c) n
 bool detect_hardware() noexcept { return false; }
 #endif
 
+// a * b modulo the polynomial, bit-reflected (zlib's multmodp).
+std::uint32_t multiply_mod_p(std::uint32_t a, std::uint32_t b) noexcept {
+  std::uint32_t m = 1u << 31;
+  std::uint32_t p = 0;
+  for (;;) {
+    if (a & m) {
+      p ^= b;
+      if ((a & (m - 1)) == 0) break;
+    }
+    m >>= 1;
+    b = (b & 1) ? (b >> 1) ^ kPoly : b >> 1;
+  }
+  return p;
+}
+
+// x^(2^k) modulo the polynomial for k in [0, 72): enough for any 64-bit length in bytes.
+std::array<std::uint32_t, 72> make_powers() {
+  std::array<std::uint32_t, 72> powers{};
+  std::uint32_t p = 1u << 30;  // x^1
+  for (auto& power : powers) {
+    power = p;
+    p = multiply_mod_p(p, p);
+  }
+  return powers;
+}
+
 }  // namespace
+
+std::uint32_t crc32c_combine(std::uint32_t crc_a, std::uint32_t crc_b, std::uint64_t len_b) noexcept {
+  static const std::array<std::uint32_t, 72> powers = make_powers();
+  std::uint32_t shift = 1u << 31;  // x^0; becomes x^(8 * len_b)
+  unsigned k = 3;                  // 8 bits a byte
+  for (std::uint64_t n = len_b; n != 0; n >>= 1, ++k) {
+    if (n & 1) shift = multiply_mod_p(powers[k], shift);
+  }
+  return multiply_mod_p(shift, crc_a) ^ crc_b;
+}
 
 bool crc32c_hardware() noexcept {
   static const bool hardware = detect_hardware();

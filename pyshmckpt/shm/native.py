@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from ..errors import ExtensionMissingError
 
@@ -61,3 +62,21 @@ def cuda_compiled() -> bool:
 def cuda_device_count() -> int:
     """CUDA devices the extension's runtime sees (0 without a driver or a CUDA build)."""
     return int(_C.cuda_device_count())
+
+
+def read_file_ranges(fd: int, entries: Any, *, checksums: bool, path: str) -> tuple[Any, Any]:
+    """pread each (file offset, address, nbytes) row of the (n, 3) uint64 array `entries` into
+    memory on the native pool, GIL released, large rows split across threads. Returns (crcs,
+    got): the CRC32C of each row's bytes as they landed (0 without `checksums`) and the bytes
+    read (fewer when the file ends first). A failed pread raises OSError naming `path`.
+
+    The caller owns the memory: every address must be writable for its byte count, not overlap
+    another row's, and stay alive and untouched until this returns; `fd` stays open until then.
+    """
+    crcs, got = _C.read_file_ranges(fd, entries, checksums, path)
+    return crcs, got
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """CRC32C of A + B from crc32c(A), crc32c(B) and len(B)."""
+    return int(_C.crc32c_combine(crc_a, crc_b, len_b))

@@ -10,8 +10,9 @@ import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+import numpy as np
 import torch
 
 from ..errors import (
@@ -19,7 +20,7 @@ from ..errors import (
     PickleNotAllowedError,
     from_os_error,
 )
-from ..shm.native import copy_threads, crc32c
+from ..shm.native import copy_threads, crc32c, read_file_ranges
 from ..staging import manifest as layout
 from ..staging.dtensors import ShardInfo
 from . import commit, resharding, tree_codec
@@ -27,6 +28,10 @@ from .safetensors_header import parse_header
 from .safetensors_writer import FORMAT, file_names
 
 logger = logging.getLogger(__name__)
+
+# A rank's opened files: manifest path, data file path, manifest, header, copy-on-write map of
+# the data file, and the data file, open.
+_Opened = tuple[Path, Path, dict[str, Any], Any, mmap.mmap, IO[bytes]]
 
 
 def _checkpoint_dir(path: str | os.PathLike[str]) -> Path:
@@ -55,17 +60,23 @@ def load(
     allow_pickle: bool = False,
     rank: int = 0,
     into: Any = None,
-    mmap: bool = True,
+    mmap: bool = False,
 ) -> Any:
     """Load a checkpoint written by pyshmckpt's safetensors writer.
 
     `path` is a checkpoint directory (or a checkpoint root: its `latest`). Returns the nested
-    state dict with container types and tied-storage aliases restored. On the CPU, tensors are
-    zero-copy copy-on-write maps of the file (pages read when used; the file's disk space stays
-    in use while they live, also after the checkpoint is deleted); with ``mmap=False`` each file
-    entry is read into memory once (views of one storage still share it). With `into` (a state
-    dict of the same structure), the values are copied into its tensors in place (any device)
-    and `into` is returned.
+    state dict with container types and tied-storage aliases restored. By default each file
+    entry is read into memory of its own once (views of one storage still share it), by the
+    native thread pool with large parallel reads, each entry's CRC32C computed from its bytes as
+    they land. With ``mmap=True`` CPU tensors are instead zero-copy copy-on-write maps of the
+    file (pages read when used, after the checksum pass reads them once when `verify`; the
+    file's disk space stays in use while they live, also after the checkpoint is deleted).
+    With `into` (a state dict of the same structure), the values are copied into its tensors in
+    place (any device) and `into` is returned: a contiguous CPU tensor of the saved dtype that
+    owns its whole storage is read straight from the file into its memory (one copy, checksum
+    from the landed bytes), others are copied from a map of the file. Every entry is checked
+    when `verify`, also those the target does not use; with `into`, a corrupt entry is found
+    once its bytes are read, so the target may be partly overwritten when that raises.
     `verify` checks every CRC32C. Pickled values are only loaded with allow_pickle=True.
     Anything wrong with the files raises CheckpointCorruptError naming the file and tensor.
 
@@ -81,15 +92,17 @@ def load(
     checkpoint's values.
     """
     opened = _open(path, rank)
-    directory = opened[0].parent
-    if into is not None and (_sharded(opened[2]) or resharding.holds_dtensors(into)):
-        _reshard_into(opened, into, rank, verify=verify, allow_pickle=allow_pickle)
-        return into
-    file = _rank_file(opened, rank, allow_pickle, verify_all=verify, in_memory=not mmap)
+    with opened[5]:
+        directory = opened[0].parent
+        if into is not None and (_sharded(opened[2]) or resharding.holds_dtensors(into)):
+            _reshard_into(opened, into, rank, verify=verify, allow_pickle=allow_pickle)
+            return into
+        if into is not None:
+            _load_into(opened, into, rank, verify=verify, allow_pickle=allow_pickle)
+            logger.debug("loaded %s (rank %d) into the target state dict", directory, rank)
+            return into
+        file = _rank_file(opened, rank, allow_pickle, verify_all=verify, in_memory=not mmap)
     logger.debug("loaded %s (rank %d)", directory, rank)
-    if into is not None:
-        resharding.fill(into, [file], 0, verify=False, where=str(directory))
-        return into
     state = file.state
     if map_location is not None and torch.device(map_location).type != "cpu":
         state = _move(state, torch.device(map_location))
@@ -104,7 +117,7 @@ def _sharded(described: dict[str, Any]) -> bool:
 
 
 def _rank_file(
-    opened: tuple[Path, Path, dict[str, Any], Any, mmap.mmap],
+    opened: _Opened,
     rank: int,
     allow_pickle: bool,
     *,
@@ -113,11 +126,14 @@ def _rank_file(
 ) -> resharding.RankFile:
     """A rank's opened files with their tensors (file maps, or copies in memory) and decoded
     structure; with verify_all, every checksum is checked first."""
-    json_path, st_path, described, header, mapped = opened
+    json_path, st_path, described, header, mapped, f = opened
     view = memoryview(mapped)
-    if verify_all:
+    loaded = None
+    if in_memory:
+        loaded = _read_entries(st_path, f, header, described.get("entries"), verify=verify_all)
+    elif verify_all:
         _verify(st_path, view, header, described.get("entries"))
-    tensors = _tensors(st_path, view, header, described.get("tensors"), in_memory=in_memory)
+    tensors = _tensors(st_path, view, header, described.get("tensors"), loaded=loaded)
     try:
         state = tree_codec.decode(
             described.get("tree"), tensors, allow_pickle=allow_pickle, where=str(json_path)
@@ -132,7 +148,7 @@ def _rank_file(
 
 
 def _reshard_into(
-    opened: tuple[Path, Path, dict[str, Any], Any, mmap.mmap],
+    opened: _Opened,
     into: Any,
     rank: int,
     *,
@@ -147,9 +163,14 @@ def _reshard_into(
         raise CheckpointCorruptError(
             str(directory), f"rank {rank} is not among the checkpoint's ranks {saved}"
         )
-    files = [
-        _rank_file(opened if r == rank else _open(directory, r), r, allow_pickle) for r in saved
-    ]
+    files = []
+    for r in saved:
+        if r == rank:
+            files.append(_rank_file(opened, r, allow_pickle))
+            continue
+        other = _open(directory, r)
+        with other[5]:  # the file map stays; the descriptor is not needed
+            files.append(_rank_file(other, r, allow_pickle))
     resharding.fill(into, files, saved.index(rank), verify, str(directory))
     logger.debug("resharded %s (%d ranks) into the target state dict", directory, len(saved))
 
@@ -158,23 +179,11 @@ def _verify(
     st_path: Path, view: memoryview, header: Any, recorded: Any, only: set[str] | None = None
 ) -> None:
     """Check the CRC32C of every entry of the file (of the entries in `only`, when given)."""
-    if not isinstance(recorded, dict):
-        raise CheckpointCorruptError(str(st_path), "the manifest records no checksums")
+    expected = _expected_crcs(st_path, header, recorded, only)
     jobs = []
-    for name, entry in header.entries.items():
-        if only is not None and name not in only:
-            continue
-        crc = recorded.get(name, {}).get("crc32c") if isinstance(recorded.get(name), dict) else None
-        if type(crc) is not int:
-            raise CheckpointCorruptError(str(st_path), "no checksum recorded", tensor=name)
+    for name, crc in expected.items():
+        entry = header.entries[name]
         jobs.append((name, header.data_start + entry.begin, header.data_start + entry.end, crc))
-    missing = set(recorded) - set(header.entries)
-    if only is not None:
-        missing &= only
-    if missing:
-        raise CheckpointCorruptError(
-            str(st_path), "entry missing from the file", tensor=sorted(missing)[0]
-        )
     with ThreadPoolExecutor(max_workers=max(1, copy_threads())) as pool:
         actual = list(pool.map(lambda job: crc32c(view[job[1] : job[2]]), jobs))
     for (name, _, _, crc), got in zip(jobs, actual, strict=True):
@@ -184,12 +193,181 @@ def _verify(
             )
 
 
+def _expected_crcs(
+    st_path: Path, header: Any, recorded: Any, only: set[str] | None = None
+) -> dict[str, int]:
+    """The recorded CRC32C of every entry of the file (of those in `only`, when given), in the
+    header's order; raises when one is missing on either side."""
+    if not isinstance(recorded, dict):
+        raise CheckpointCorruptError(str(st_path), "the manifest records no checksums")
+    expected = {}
+    for name in header.entries:
+        if only is not None and name not in only:
+            continue
+        crc = recorded.get(name, {}).get("crc32c") if isinstance(recorded.get(name), dict) else None
+        if type(crc) is not int:
+            raise CheckpointCorruptError(str(st_path), "no checksum recorded", tensor=name)
+        expected[name] = crc
+    missing = set(recorded) - set(header.entries)
+    if only is not None:
+        missing &= only
+    if missing:
+        raise CheckpointCorruptError(
+            str(st_path), "entry missing from the file", tensor=sorted(missing)[0]
+        )
+    return expected
+
+
+def _read_ranges(
+    st_path: Path,
+    f: IO[bytes],
+    header: Any,
+    jobs: list[tuple[str, int]],
+    expected: dict[str, int] | None,
+) -> None:
+    """pread each (entry name, destination address) job's entry straight to its address, in
+    parallel; with `expected`, check each entry's CRC32C computed from the bytes as they landed.
+
+    The caller owns the destinations: each is writable for its entry's length, none overlap, and
+    they stay alive until this returns (see `native.read_file_ranges`).
+    """
+    if not jobs:
+        return
+    rows = np.empty((len(jobs), 3), dtype=np.uint64)
+    for i, (name, address) in enumerate(jobs):
+        entry = header.entries[name]  # parse_header checked the range lies inside the file
+        rows[i] = (header.data_start + entry.begin, address, entry.end - entry.begin)
+    try:
+        crcs, got = read_file_ranges(
+            f.fileno(), rows, checksums=expected is not None, path=str(st_path)
+        )
+    except OSError as exc:
+        raise from_os_error(exc, f"cannot read {st_path}") from exc
+    for i, (name, _) in enumerate(jobs):
+        if int(got[i]) != int(rows[i, 2]):
+            raise CheckpointCorruptError(
+                str(st_path), f"the file ends inside the entry (read {int(got[i])} of "
+                f"{int(rows[i, 2])} bytes; truncated while loading?)", tensor=name,
+            )  # fmt: skip
+        if expected is not None and int(crcs[i]) != expected[name]:
+            raise CheckpointCorruptError(
+                str(st_path),
+                f"checksum mismatch ({int(crcs[i]):#010x} != {expected[name]:#010x})",
+                tensor=name,
+            )
+
+
+def _read_entries(
+    st_path: Path, f: IO[bytes], header: Any, recorded: Any, *, verify: bool
+) -> dict[str, torch.Tensor]:
+    """Every non-empty entry of the file read into memory of its own (uint8), checksums verified
+    from the landed bytes when `verify` (empty entries too: theirs must be 0)."""
+    expected = _expected_crcs(st_path, header, recorded) if verify else None
+    loaded = {}
+    for name, entry in header.entries.items():
+        length = entry.end - entry.begin
+        if length:
+            loaded[name] = torch.empty(length, dtype=torch.uint8)
+        elif expected is not None and expected[name] != 0:
+            raise CheckpointCorruptError(
+                str(st_path), f"checksum mismatch (0x00000000 != {expected[name]:#010x})",
+                tensor=name,
+            )  # fmt: skip
+    _read_ranges(st_path, f, header, [(name, t.data_ptr()) for name, t in loaded.items()], expected)
+    return loaded
+
+
+class _DirectReads:
+    """`into=`'s reads straight from the file into target tensors (`resharding.Direct`).
+
+    A target qualifies when it is a contiguous CPU tensor of the saved dtype that owns its whole
+    storage and its source is a whole file entry. Reads are batched and run by `flush`, which
+    runs before anything else writes to a storage a pending read fills, so the order of writes
+    is the order `fill` visits the targets in.
+    """
+
+    def __init__(
+        self, st_path: Path, f: IO[bytes], header: Any, file: resharding.RankFile,
+        expected: dict[str, int] | None,
+    ) -> None:  # fmt: skip
+        self._st_path, self._f, self._header, self._file = st_path, f, header, file
+        self._expected = expected
+        self._pending: list[tuple[torch.Tensor, str]] = []
+        self._seen: dict[int, tuple[str, int] | None] = {}  # target storage -> (entry, bytes)
+
+    def __call__(self, target: torch.Tensor, source: torch.Tensor) -> bool:
+        if target.device.type != "cpu":
+            return False
+        storage = target.untyped_storage()
+        key = storage.data_ptr()
+        entry = self._file.entry_of(source)
+        length = -1 if entry is None else self._entry_length(entry)
+        eligible = (
+            length > 0
+            and type(target) in (torch.Tensor, torch.nn.Parameter)
+            and target.layout == torch.strided
+            and not target.is_conj()
+            and not target.is_neg()
+            and target.dtype == source.dtype
+            and target.is_contiguous()
+            and target.storage_offset() == 0
+            and storage.nbytes() == target.nbytes == length
+            and source.is_contiguous()
+            and source.storage_offset() == 0
+            and source.untyped_storage().nbytes() == length
+        )
+        claim = (entry, length) if eligible and entry is not None else None
+        if key in self._seen:
+            if claim is not None and self._seen[key] == claim:
+                return True  # the same storage from the same entry: already read (or pending)
+            self.flush()
+            return False
+        self._seen[key] = claim
+        if claim is None or entry is None:
+            return False
+        self._pending.append((target, entry))
+        return True
+
+    def _entry_length(self, name: str) -> int:
+        entry = self._header.entries.get(name)
+        return -1 if entry is None else entry.end - entry.begin
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        jobs = [(entry, target.data_ptr()) for target, entry in pending]
+        _read_ranges(self._st_path, self._f, self._header, jobs, self._expected)
+        for target, entry in pending:
+            torch.autograd.graph.increment_version(target)  # as an in-place copy_ would
+            if self._expected is not None:
+                self._file.mark_verified(entry)
+
+
+def _load_into(opened: _Opened, into: Any, rank: int, *, verify: bool, allow_pickle: bool) -> None:
+    """Fill `into` from rank `rank`'s file (no resharding): eligible CPU tensors straight from
+    the file, the others copied from its map; every entry's checksum checked when `verify`."""
+    _, st_path, described, header, _, f = opened
+    expected = _expected_crcs(st_path, header, described.get("entries")) if verify else None
+    file = _rank_file(opened, rank, allow_pickle)
+    direct = _DirectReads(st_path, f, header, file, expected)
+    resharding.fill(into, [file], 0, verify, str(st_path.parent), direct=direct)
+    direct.flush()
+    if verify:
+        file.verify_entries(set(header.entries))  # those the target does not use, too
+
+
 def _tensors(
-    st_path: Path, view: memoryview, header: Any, described: Any, *, in_memory: bool = False
+    st_path: Path,
+    view: memoryview,
+    header: Any,
+    described: Any,
+    *,
+    loaded: dict[str, torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
+    """The described tensors as views of their entries: of `loaded` (entry name -> its bytes in
+    memory) where given, else of the file map `view`."""
     if not isinstance(described, list):
         raise CheckpointCorruptError(str(st_path), "the manifest lists no tensors")
-    raws: dict[str, torch.Tensor | None] = {}
+    raws: dict[str, torch.Tensor | None] = dict(loaded or {})
     bases: dict[tuple[str, torch.dtype], torch.Tensor] = {}
     out = []
     for item in described:
@@ -252,8 +430,6 @@ def _tensors(
                     if length
                     else None
                 )
-                if raw is not None and in_memory:
-                    raw = raw.clone()  # once per entry: every tensor over it shares the copy
                 raws[entry_name] = raw
             # Every dtype's base views the one storage of the entry, so tensors of different
             # dtypes over one entry keep sharing it (also when load() moves them to a device).
@@ -314,9 +490,9 @@ def _move(state: Any, device: torch.device) -> Any:
     return visit(state)
 
 
-def _open(
-    path: str | os.PathLike[str], rank: int
-) -> tuple[Path, Path, dict[str, Any], Any, mmap.mmap]:
+def _open(path: str | os.PathLike[str], rank: int) -> _Opened:
+    """A rank's manifest, data file path, header and copy-on-write map of the data file, and the
+    data file itself, open (the caller closes it)."""
     directory = _checkpoint_dir(path)
     st_name, json_name = file_names(rank)
     json_path, st_path = directory / json_name, directory / st_name
@@ -334,7 +510,7 @@ def _open(
         raise CheckpointCorruptError(str(st_path), f"rank {rank}'s data file is missing") from None
     except OSError as exc:
         raise from_os_error(exc, f"cannot open {st_path}") from exc
-    with f:
+    try:
         size = os.fstat(f.fileno()).st_size
         header = parse_header(str(st_path), f, size)
         if not size:
@@ -343,7 +519,10 @@ def _open(
             mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
         except OSError as exc:
             raise from_os_error(exc, f"cannot map {st_path}") from exc
-    return json_path, st_path, described, header, mapped
+    except BaseException:
+        f.close()
+        raise
+    return json_path, st_path, described, header, mapped, f
 
 
 def ranks(path: str | os.PathLike[str]) -> list[int]:
@@ -370,7 +549,8 @@ def verify(path: str | os.PathLike[str], rank: int = 0) -> int:
 
     Returns the number of tensors; raises CheckpointCorruptError.
     """
-    _, st_path, described, header, mapped = _open(path, rank)
+    _, st_path, described, header, mapped, f = _open(path, rank)
+    f.close()
     view = memoryview(mapped)
     _verify(st_path, view, header, described.get("entries"))
     tensors = _tensors(st_path, view, header, described.get("tensors"))
@@ -388,7 +568,8 @@ def verify(path: str | os.PathLike[str], rank: int = 0) -> int:
 def describe(path: str | os.PathLike[str], rank: int = 0) -> list[dict[str, Any]]:
     """One row per tensor: name, dtype, shape, bytes, the file entry holding it, and for a
     DTensor's local shard its `ShardInfo` (else None)."""
-    _, st_path, described, header, mapped = _open(path, rank)
+    _, st_path, described, header, mapped, f = _open(path, rank)
+    f.close()
     view = memoryview(mapped)
     _tensors(st_path, view, header, described.get("tensors"))  # validates every description
     return [

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,23 @@ class RankFile:
         i = self._index.get(id(tensor))
         return None if i is None else self._infos.get(i)
 
+    def entry_of(self, tensor: torch.Tensor) -> str | None:
+        """The name of the file entry holding `tensor` (None: not one of this file's tensors)."""
+        i = self._index.get(id(tensor))
+        entry = None if i is None else self._entry[i]
+        return entry if isinstance(entry, str) else None
+
+    def mark_verified(self, entry: str) -> None:
+        """Record that `entry`'s checksum was checked elsewhere (as its bytes were read)."""
+        self._verified.add(entry)
+
+    def verify_entries(self, entries: set[str]) -> None:
+        """Verify the checksums of `entries` not verified yet."""
+        rest = entries - self._verified
+        if rest:
+            self._verify_entries(rest)
+            self._verified |= rest
+
     def verify(self, tensor: torch.Tensor) -> None:
         """Verify the checksum of the file entry holding `tensor` (once per entry)."""
         i = self._index.get(id(tensor))
@@ -94,9 +112,22 @@ def holds_dtensors(obj: Any) -> bool:
     return False
 
 
-def fill(target: Any, files: list[RankFile], primary: int, verify: bool, where: str) -> None:
-    """Copy the checkpoint (`files`: every saved rank) into `target`, resharding as needed."""
-    _fill(target, [f.state for f in files], files, primary, verify, where, "state_dict")
+# Offered each plain target tensor and its source before the copy: True when it takes over
+# filling the target (the copy and the checksum), False to have fill() copy it.
+Direct = Callable[[torch.Tensor, torch.Tensor], bool]
+
+
+def fill(
+    target: Any,
+    files: list[RankFile],
+    primary: int,
+    verify: bool,
+    where: str,
+    direct: Direct | None = None,
+) -> None:
+    """Copy the checkpoint (`files`: every saved rank) into `target`, resharding as needed;
+    `direct`, when given, may take over filling plain tensors (see `Direct`)."""
+    _fill(target, [f.state for f in files], files, primary, verify, where, "state_dict", direct)
 
 
 def _fill(
@@ -107,10 +138,11 @@ def _fill(
     verify: bool,
     where: str,
     path: str,
+    direct: Direct | None,
 ) -> None:
     source = sources[primary]
     if isinstance(target, torch.Tensor):
-        _fill_tensor(target, sources, files, primary, verify, path)
+        _fill_tensor(target, sources, files, primary, verify, path, direct)
         return
     if isinstance(target, dict):
         if not isinstance(source, dict):
@@ -124,7 +156,7 @@ def _fill(
                 target[key] = _leaf(source[key], f"{path}[{key!r}]")
                 continue
             below = [s.get(key) if isinstance(s, dict) else None for s in sources]
-            _fill(value, below, files, primary, verify, where, f"{path}[{key!r}]")
+            _fill(value, below, files, primary, verify, where, f"{path}[{key!r}]", direct)
         return
     if isinstance(target, (list, tuple)) and isinstance(source, (list, tuple)):
         if len(target) != len(source):
@@ -139,7 +171,7 @@ def _fill(
                 s[i] if isinstance(s, (list, tuple)) and len(s) == len(source) else None
                 for s in sources
             ]
-            _fill(value, below, files, primary, verify, where, f"{path}[{i}]")
+            _fill(value, below, files, primary, verify, where, f"{path}[{i}]", direct)
 
 
 def _is_leaf(value: Any) -> bool:
@@ -163,6 +195,7 @@ def _fill_tensor(
     primary: int,
     verify: bool,
     path: str,
+    direct: Direct | None,
 ) -> None:
     source = sources[primary]
     if not isinstance(source, torch.Tensor):
@@ -177,6 +210,8 @@ def _fill_tensor(
                 f"{path}: the checkpoint holds a tensor of shape {tuple(source.shape)}, "
                 f"the target {tuple(target.shape)}"
             )
+        if direct is not None and direct(target, source):
+            return
         if verify:
             files[primary].verify(source)
         with torch.no_grad():

@@ -14,6 +14,7 @@ import gc
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,14 +25,19 @@ import torch
 import pyshmckpt
 from pyshmckpt import CheckpointCorruptError, Checkpointer
 from pyshmckpt.cli import main as cli_main
+from pyshmckpt.shm import native
+from pyshmckpt.staging import manifest as layout
+from pyshmckpt.storage import reader
 
 from helpers import (
     SAVE_TIMEOUT,
     assert_same_tree,
     flip_tensor_byte,
     names_in,
+    opened,
     read_st_header,
     same_bytes,
+    snapshot,
     write_st_header,
 )
 
@@ -400,8 +406,8 @@ def test_moving_differently_typed_views_of_one_entry(shared):
 
 def test_load_without_mmap_reads_into_memory_and_keeps_tied_weights_tied(gpt_checkpoint, tmp_path):
     path = shutil.copytree(gpt_checkpoint["path"], tmp_path / "copy")
-    mapped = pyshmckpt.load(path)
-    in_memory = pyshmckpt.load(path, mmap=False)
+    mapped = pyshmckpt.load(path, mmap=True)
+    in_memory = pyshmckpt.load(path)  # the default: mmap=False
     gc.collect()
     maps = Path("/proc/self/maps").read_text()
     assert str(path) in maps  # the mapped load keeps the file mapped while its tensors live
@@ -415,3 +421,187 @@ def test_load_without_mmap_reads_into_memory_and_keeps_tied_weights_tied(gpt_che
     gc.collect()
     assert str(path) not in Path("/proc/self/maps").read_text()  # nothing maps it any more
     assert_same_tree(gpt_checkpoint["expected"], in_memory)
+
+
+# --------------------------------------------------------------------------------------------
+# the parallel read path: preads straight into memory, checksums from the landed bytes
+# --------------------------------------------------------------------------------------------
+
+MIB = 1 << 20
+HUGE = "huge"  # a float32 entry of 20 MiB: split into pieces read by different threads
+MANY = 2000  # small tensors, each an entry of its own
+
+
+def _random_bytes(nbytes: int, seed: int) -> torch.Tensor:
+    return torch.randint(
+        0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
+
+
+def _every_dtype() -> dict[str, torch.Tensor]:
+    """A tensor of random bits for every dtype the manifest knows that torch can hold as plain
+    bytes (quantized and sub-byte integer dtypes cannot be made from bytes)."""
+    out = {}
+    for i, (name, dtype) in enumerate(layout.DTYPES.items()):
+        if name.startswith(("qint", "quint")) or name[-1] in "1234567" and "int" in name:
+            continue
+        if dtype == torch.bool:
+            out[name] = torch.randint(0, 2, (37,), dtype=torch.bool)
+        else:
+            out[name] = _random_bytes(48 * dtype.itemsize, i).view(dtype)
+    return out
+
+
+@pytest.fixture(scope="module")
+def threads() -> Any:
+    """Four native threads, whatever the machine has, so that reads really run in parallel."""
+    before = native.copy_threads()
+    native.set_copy_threads(4)
+    yield 4
+    native.set_copy_threads(before)
+
+
+@pytest.fixture(scope="module")
+def big_checkpoint(tmp_path_factory: pytest.TempPathFactory, threads: int) -> dict[str, Any]:
+    """One huge tensor, MANY small ones of mixed dtypes, every dtype, and tied views."""
+    del threads
+    huge = _random_bytes(20 * MIB, 1).view(torch.float32)
+    kinds = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.float16]
+    many = {
+        f"t{i}": _random_bytes(64 + 8 * (i % 7), i + 10).view(kinds[i % len(kinds)])
+        for i in range(MANY)
+    }
+    base = torch.arange(64, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # complex32 is "experimental"
+        state = {
+            HUGE: huge,
+            "many": many,
+            "dtypes": _every_dtype(),
+            "tied": {"base": base, "view": base[8:40].view(4, 8), "again": base},
+            "step": 3,
+        }
+        expected = snapshot(state)
+    root = tmp_path_factory.mktemp("big-root")
+    with opened(root, capacity_bytes=32 * MIB) as ck:
+        path = ck.save(state, name="big").result(SAVE_TIMEOUT)
+    return {"path": path, "expected": expected}
+
+
+def test_default_load_reads_every_dtype_bit_for_bit(big_checkpoint):
+    loaded = pyshmckpt.load(big_checkpoint["path"])
+    assert_same_tree(big_checkpoint["expected"], loaded)
+    for name, t in loaded["dtypes"].items():
+        assert same_bytes(t, big_checkpoint["expected"]["dtypes"][name]), name
+    # Each entry in memory of its own: no file map left, independent storages.
+    assert str(big_checkpoint["path"]) not in Path("/proc/self/maps").read_text()
+    assert (
+        loaded[HUGE].untyped_storage().data_ptr()
+        != loaded["many"]["t0"].untyped_storage().data_ptr()
+    )
+    # Tied storages are still views of one block.
+    tied = loaded["tied"]
+    assert tied["view"].untyped_storage().data_ptr() == tied["base"].untyped_storage().data_ptr()
+    assert tied["again"].untyped_storage().data_ptr() == tied["base"].untyped_storage().data_ptr()
+    assert torch.equal(tied["view"], tied["base"][8:40].view(4, 8))
+
+
+def test_mapped_load_reads_the_same(big_checkpoint):
+    assert_same_tree(big_checkpoint["expected"], pyshmckpt.load(big_checkpoint["path"], mmap=True))
+
+
+def _zeros_like_tree(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return torch.zeros_like(tree)
+    if isinstance(tree, dict):
+        return {k: _zeros_like_tree(v) for k, v in tree.items()}
+    return tree
+
+
+def test_load_into_reads_straight_into_the_targets(big_checkpoint):
+    expected = big_checkpoint["expected"]
+    target = _zeros_like_tree(expected)
+    base = torch.zeros(64, dtype=torch.float64)  # tied in the target as in the checkpoint
+    target["tied"] = {"base": base, "view": base[8:40].view(4, 8), "again": base}
+    target["step"] = 0
+    pointers = {name: t.data_ptr() for name, t in target["many"].items()}
+    huge_ptr, version = target[HUGE].data_ptr(), target[HUGE]._version
+    assert pyshmckpt.load(big_checkpoint["path"], into=target) is target
+    assert_same_tree(expected, target)
+    assert target[HUGE].data_ptr() == huge_ptr
+    assert target[HUGE]._version > version  # written in place, as copy_ would have
+    assert all(t.data_ptr() == pointers[name] for name, t in target["many"].items())
+    assert target["tied"]["base"].data_ptr() == base.data_ptr()
+    assert target["step"] == 3
+
+
+def test_load_into_targets_that_cannot_be_read_into_directly(big_checkpoint):
+    """Non-contiguous targets, a parameter, another dtype's storage and a slice of a bigger
+    storage are filled by copies; the result is the same."""
+    expected = big_checkpoint["expected"]
+    target = _zeros_like_tree(expected)
+    target[HUGE] = torch.nn.Parameter(torch.zeros_like(expected[HUGE]))
+    wide = torch.zeros(2 * 48, dtype=torch.float64)
+    target["dtypes"]["float64"] = wide[::2]  # non-contiguous
+    target["dtypes"]["float32"] = torch.zeros(100, dtype=torch.float32)[:48]  # part of a storage
+    target["many"]["t1"] = torch.zeros(
+        expected["many"]["t1"].shape[0] * 2, dtype=expected["many"]["t1"].dtype
+    )[1::2]
+    pyshmckpt.load(big_checkpoint["path"], into=target)
+    huge = target.pop(HUGE)
+    assert huge.requires_grad
+    assert same_bytes(huge.detach(), expected[HUGE])
+    assert_same_tree({k: v for k, v in expected.items() if k != HUGE}, target)
+
+
+def _flip_in_the_middle(path: Path, entry: str) -> None:
+    st = path / "rank0.safetensors"
+    start, header = read_st_header(st)
+    begin, end = header[entry]["data_offsets"]
+    with st.open("r+b") as f:
+        f.seek(start + (begin + end) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("entry", [HUGE, "many.t1500"])
+def test_a_flipped_byte_is_found_on_the_parallel_path(big_checkpoint, tmp_path, entry):
+    d = shutil.copytree(big_checkpoint["path"], tmp_path / "ckpt")
+    _flip_in_the_middle(d, entry)
+    for call in (
+        lambda: pyshmckpt.load(d),
+        lambda: pyshmckpt.load(d, into=_zeros_like_tree(big_checkpoint["expected"])),
+    ):
+        with pytest.raises(CheckpointCorruptError) as info:
+            call()
+        assert Path(info.value.path) == d / "rank0.safetensors"
+        assert info.value.tensor == entry
+        assert "checksum" in info.value.reason
+    # Without verification it loads, with the flipped bit.
+    assert (
+        not same_bytes(pyshmckpt.load(d, verify=False)[HUGE], big_checkpoint["expected"][HUGE])
+        or entry != HUGE
+    )
+
+
+def test_an_entry_the_target_does_not_use_is_still_verified(big_checkpoint, tmp_path):
+    d = shutil.copytree(big_checkpoint["path"], tmp_path / "ckpt")
+    _flip_in_the_middle(d, "many.t7")
+    target = _zeros_like_tree(big_checkpoint["expected"])
+    del target["many"]
+    with pytest.raises(CheckpointCorruptError, match="checksum") as info:
+        pyshmckpt.load(d, into=target)
+    assert info.value.tensor == "many.t7"
+
+
+def test_a_file_truncated_while_loading_is_reported(big_checkpoint, tmp_path):
+    d = shutil.copytree(big_checkpoint["path"], tmp_path / "ckpt")
+    st = d / "rank0.safetensors"
+    opened_files = reader._open(d, 0)  # header checked against the whole file
+    with opened_files[5]:
+        os.truncate(st, st.stat().st_size - 3 * MIB)  # then the file shrinks
+        with pytest.raises(CheckpointCorruptError, match="ends inside the entry") as info:
+            reader._rank_file(opened_files, 0, False, verify_all=True, in_memory=True)
+    assert Path(info.value.path) == st
+    assert info.value.tensor is not None
