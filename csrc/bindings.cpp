@@ -144,12 +144,13 @@ mapping, writable and zero-copy; the mapping stays valid while any exported view
   segment
       .def_static(
           "create",
-          [](std::size_t size, const std::string& prefix) {
+          [](std::size_t size, const std::string& prefix, bool populate) {
             py::gil_scoped_release release;
-            return std::make_unique<Segment>(Segment::create(size, prefix));
+            return std::make_unique<Segment>(Segment::create(size, prefix, populate));
           },
-          py::arg("size"), py::arg("prefix") = "pyshmckpt",
-          "Create a 0600 segment with `size` data bytes (rounded up to pages), every page allocated.")
+          py::arg("size"), py::arg("prefix") = "pyshmckpt", py::arg("populate") = true,
+          "Create a 0600 segment with `size` data bytes (rounded up to pages), every page allocated\n"
+          "(with populate=False only the header's: fault the rest in with `populate`).")
       .def_static(
           "attach",
           [](const std::string& name, std::size_t size, const py::bytes& token) {

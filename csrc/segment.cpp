@@ -127,7 +127,7 @@ void populate_pages(std::uint8_t* ptr, std::size_t nbytes, const std::string& na
   if (err != 0) throw_errno("madvise(MADV_POPULATE_WRITE)", name, err);
 }
 
-Segment Segment::create(std::size_t size, const std::string& prefix) {
+Segment Segment::create(std::size_t size, const std::string& prefix, bool populate) {
   if (size == 0) throw ArgumentError("segment size must be positive");
   const bool valid_prefix =
       !prefix.empty() && prefix.size() <= 64 &&
@@ -171,7 +171,7 @@ Segment Segment::create(std::size_t size, const std::string& prefix) {
   void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, seg.fd_, 0);
   if (base == MAP_FAILED) throw_errno("mmap", seg.name_);
   seg.base_ = static_cast<std::uint8_t*>(base);
-  populate_pages(seg.base_, mapped, seg.name_);
+  populate_pages(seg.base_, populate ? mapped : page, seg.name_);  // the header page at least
 
   auto* header = reinterpret_cast<SegmentHeader*>(seg.base_);
   std::memcpy(header->magic, kSegmentMagic, sizeof header->magic);

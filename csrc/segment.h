@@ -29,7 +29,8 @@ class Segment {
   // Creates a segment named "<prefix>-<pid>-<32 hex digits>" with mode 0600 and O_EXCL, holding
   // `size` bytes after the header. Every page is allocated before this returns (in parallel), so a
   // full /dev/shm is a SyscallError(ENOSPC) here and never a SIGBUS later.
-  static Segment create(std::size_t size, const std::string& prefix);
+  // populate=false leaves the data pages to be faulted in later (see populate_pages).
+  static Segment create(std::size_t size, const std::string& prefix, bool populate = true);
   // Maps an existing segment. Checks that the caller's uid owns it, that it is not accessible to
   // others, that its size and header match, and that its token equals `token`.
   static Segment attach(const std::string& name, std::size_t size, const std::string& token);

@@ -38,9 +38,13 @@ from ..errors import (
     from_os_error,
 )
 from . import cuda
-from .native import CopyEvent, HostCopy, Segment
+from .native import CopyEvent, HostCopy, Segment, populate
 
 logger = logging.getLogger(__name__)
+
+
+# Bytes faulted in per call by the background thread: close() waits for one such call at most.
+_POPULATE_PIECE = 64 << 20
 
 
 class SlotState(enum.Enum):
@@ -87,8 +91,10 @@ class Slot:
     arena clears them when the slot is freed.
     """
 
-    def __init__(self, arena: Arena, index: int, capacity: int) -> None:
+    def __init__(self, arena: Arena, index: int, capacity: int, *, populate: bool = True) -> None:
         self.arena = arena
+        # False while its pages are still being faulted in (see Arena): not staged into yet.
+        self.ready = populate
         self.index = index
         self.capacity = capacity
         self.state = SlotState.FREE
@@ -97,7 +103,7 @@ class Slot:
         self.staged_id: int | None = None
         self.pending: list[CopyEvent] = []
         try:
-            self.segment = Segment.create(capacity, knobs.segment_prefix())
+            self.segment = Segment.create(capacity, knobs.segment_prefix(), populate)
         except OSError as exc:
             raise from_os_error(exc, f"cannot create a {capacity}-byte shared-memory slot") from exc
         try:
@@ -177,9 +183,10 @@ class Arena:
 
     Creating a slot allocates and faults in every page, and page-locks them for CUDA when `pin`
     is True (or None and CUDA is available); this is the expensive step, and it happens once.
-    All slots are created by the constructor, or with ``background=True`` only the first: the
-    others are created by a background thread and join the ring as they are ready (a slot it
-    cannot create is logged, and the arena goes on with the slots it has).
+    The constructor creates every slot (so every segment has its name from the start). With
+    ``background=True`` only the first is faulted in and pinned there: a background thread does
+    the others once the first stage into the first slot is done, and each joins the ring when it
+    is ready (one it cannot fault in is removed and logged; the arena goes on without it).
     """
 
     def __init__(
@@ -210,9 +217,11 @@ class Arena:
         self._cond = threading.Condition()
         self.closed = False
         self._creator: threading.Thread | None = None
+        # The background thread pins on the caller's device (a new thread's current one is 0).
+        self._device = torch.cuda.current_device() if pin and torch.cuda.is_available() else None
         try:
-            for i in range(1 if background else num_slots):
-                self.slots.append(self._new_slot(i))
+            for i in range(num_slots):
+                self.slots.append(self._new_slot(i, ready=i == 0 or not background))
             if self.pin_error:
                 message = (
                     f"shared-memory arena {self.name} could not be pinned for CUDA "
@@ -225,24 +234,29 @@ class Arena:
                 slot.close()
             raise
         logger.debug(
-            "created arena %s: %d of %d slots of %d bytes%s",
-            self.name, len(self.slots), num_slots, self.slot_capacity,
-            ", pinned" if self.pinned else "",
+            "created arena %s: %d slots of %d bytes%s%s",
+            self.name, num_slots, self.slot_capacity, ", pinned" if self.pinned else "",
+            ", filled in the background" if background else "",
         )  # fmt: skip
-        if len(self.slots) < num_slots:
+        if not all(slot.ready for slot in self.slots):
             self._creator = threading.Thread(
-                target=self._create_rest, args=(num_slots,), name="pyshmckpt-slots", daemon=True
+                target=self._prepare_rest, name="pyshmckpt-slots", daemon=True
             )
             self._creator.start()
 
-    def _new_slot(self, index: int) -> Slot:
-        slot = Slot(self, index, self.slot_capacity)
-        if self._pin and not slot.segment.pin(knobs.pin_chunk_bytes()):
-            self.pin_error = self.pin_error or slot.segment.pin_error
+    def _new_slot(self, index: int, *, ready: bool = True) -> Slot:
+        slot = Slot(self, index, self.slot_capacity, populate=ready)
+        if ready:
+            self._pin_slot(slot)
         return slot
 
-    def _create_rest(self, num_slots: int) -> None:
-        """The background thread: create the remaining slots, each joining the ring when ready."""
+    def _pin_slot(self, slot: Slot) -> None:
+        if self._pin and not slot.segment.pin(knobs.pin_chunk_bytes()):
+            self.pin_error = self.pin_error or slot.segment.pin_error
+
+    def _prepare_rest(self) -> None:
+        """The background thread: fault in and pin each slot that is not ready, in pieces (so
+        that close() waits for one piece at most), then let it join the ring."""
         first = self.slots[0]
         with self._cond:  # after the first stage into slot 0, not during it: both need the cores
             self._cond.wait_for(
@@ -250,26 +264,34 @@ class Arena:
                     self.closed or (first.generation >= 0 and first.state is not SlotState.STAGING)
                 )
             )
-        for index in range(len(self.slots), num_slots):
-            if self.closed:
-                return
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
+        for slot in [s for s in self.slots if not s.ready]:
             try:
-                slot = self._new_slot(index)
+                size, address = int(slot.segment.mapped_size), int(slot.segment.address)
+                for start in range(0, size, _POPULATE_PIECE):
+                    if self.closed:
+                        return
+                    populate(address + start, min(_POPULATE_PIECE, size - start))
+                self._pin_slot(slot)
+                if self._pin and not slot.segment.pinned:
+                    warn_once(
+                        logger, f"pin: {self.pin_error}", "arena %s could not be pinned (%s); "
+                        "device-to-host staging will be slower", self.name, self.pin_error,
+                    )  # fmt: skip
             except Exception as exc:
                 logger.warning(
-                    "arena %s: cannot create slot %d (%s); going on with %d slot(s)",
-                    self.name, index, exc, len(self.slots),
+                    "arena %s: cannot fill slot %d (%s); going on without it",
+                    self.name, slot.index, exc,
                 )  # fmt: skip
-                return
-            with self._cond:
-                closed = self.closed
-                if not closed:
-                    self.slots.append(slot)
-                    self._cond.notify_all()
-            if closed:  # while this slot was being created
+                with self._cond:
+                    self.slots.remove(slot)
                 slot.close()
-                return
-            logger.debug("arena %s: slot %d ready", self.name, index)
+                continue
+            with self._cond:
+                slot.ready = True
+                self._cond.notify_all()
+            logger.debug("arena %s: slot %d ready", self.name, slot.index)
 
     @property
     def name(self) -> str:
@@ -308,7 +330,7 @@ class Arena:
                 if self.closed:
                     raise StagerClosedError(f"arena {self.name} is closed")
                 for slot in self.slots:
-                    if self._available(slot):
+                    if slot.ready and self._available(slot):
                         slot.state = SlotState.STAGING
                         slot.generation = generation
                         return slot
@@ -347,7 +369,7 @@ class Arena:
             self.closed = True
             self._cond.notify_all()
         if self._creator is not None:
-            self._creator.join()  # a slot being created is closed by the creator itself
+            self._creator.join()  # it stops after the piece it is faulting in
         for slot in self.slots:
             slot.close()
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,6 +12,7 @@ from pyshmckpt import Arena, SlotsBusyError, SlotState, SlotStateError, StagerCl
 from pyshmckpt.shm.arena import _TRANSITIONS
 
 MIB = 1 << 20
+SHM = Path("/dev/shm")
 
 
 @pytest.fixture
@@ -176,7 +180,13 @@ def test_pin_without_cuda_warns_and_stays_usable():
 def test_background_arena_makes_one_slot_then_the_rest_after_the_first_stage():
     arena = Arena(MIB, 3, pin=False, background=True)
     try:
-        assert len(arena.slots) == 1  # the rest wait until the first stage leaves slot 0
+        # Every segment exists (and has its name) at once; only the first is filled in: the
+        # others wait until the first stage leaves slot 0.
+        assert len(arena.slots) == 3
+        assert all((SHM / slot.name).exists() for slot in arena.slots)
+        time.sleep(0.2)
+        assert [slot.ready for slot in arena.slots] == [True, False, False]
+        assert arena.idle()
         first = arena.acquire(0, timeout=1.0)
         assert first is arena.slots[0]
         arena.transition(first, SlotState.READY)
@@ -186,7 +196,7 @@ def test_background_arena_makes_one_slot_then_the_rest_after_the_first_stage():
         assert second is not first
         assert second.state is SlotState.STAGING
         arena.acquire(2, timeout=10.0)
-        assert len(arena.slots) == 3
+        assert [slot.ready for slot in arena.slots] == [True, True, True]
         assert len({slot.name for slot in arena.slots}) == 3
         assert [slot.index for slot in arena.slots] == [0, 1, 2]
     finally:
@@ -210,6 +220,6 @@ def test_stager_without_capacity_creates_its_other_slots_in_the_background():
         staged = stager.stage({"w": torch.arange(1000)})
         assert stager.arena is not None
         again = stager.stage({"w": torch.arange(1000) + 1})  # needs the second slot
-        assert len(stager.arena.slots) == 2
+        assert [slot.ready for slot in stager.arena.slots] == [True, True]
         assert torch.equal(staged["w"], torch.arange(1000))
         assert torch.equal(again["w"], torch.arange(1000) + 1)

@@ -47,7 +47,8 @@ def test_works_with_no_arguments():
         staged = s.stage(state())
         assert s.arena is not None
         # The stage made the slot it needed; the other is made in the background after it.
-        wait_until(lambda: len(s.arena.slots) == 2, 30, "the second slot")
+        assert len(s.arena.slots) == 2
+        wait_until(lambda: all(slot.ready for slot in s.arena.slots), 30, "the second slot")
         assert torch.equal(staged["w"], state()["w"])
         assert staged["nested"][1] == {"step": 7}
 
