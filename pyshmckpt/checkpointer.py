@@ -262,12 +262,13 @@ class Checkpointer:
         first training steps. Raises the writer's start error, or WriterStartTimeoutError."""
         if self._closed:
             raise ClosedError("Checkpointer is closed")
-        try:
-            self._process.process_creation_future.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
+        started = self._process.process_creation_future
+        done, _ = concurrent.futures.wait([started], timeout=timeout)
+        if not done:
             raise WriterStartTimeoutError(
                 f"the checkpoint writer process was not ready within {timeout}s"
-            ) from None
+            )
+        started.result()  # its own start error, if any
 
     @property
     def writer_pid(self) -> int | None:

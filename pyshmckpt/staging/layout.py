@@ -557,7 +557,13 @@ class _Matcher:
         kind = node[0]
         cls = type(obj)
         if kind == DICT:
-            if cls is not dict or len(obj) != len(node[1]) or tuple(obj) != node[1]:
+            keys = node[1]
+            if (
+                cls is not dict
+                or len(obj) != len(keys)
+                or tuple(obj) != keys
+                or any(type(a) is not type(b) for a, b in zip(obj, keys, strict=True))
+            ):  # (1 == True == 1.0: the types too)
                 raise _Mismatch("a dict's keys changed")
             return self._children(obj.values(), node)
         if kind == LIST or kind == TUPLE:

@@ -60,7 +60,7 @@ def load(
     allow_pickle: bool = False,
     rank: int = 0,
     into: Any = None,
-    mmap: bool = False,
+    mmap: bool | None = None,
 ) -> Any:
     """Load a checkpoint written by pyshmckpt's safetensors writer.
 
@@ -68,7 +68,9 @@ def load(
     state dict with container types and tied-storage aliases restored. By default each file
     entry is read into memory of its own once (views of one storage still share it), by the
     native thread pool with large parallel reads, each entry's CRC32C computed from its bytes as
-    they land. With ``mmap=True`` CPU tensors are instead zero-copy copy-on-write maps of the
+    they land (the default for a CPU `map_location`, ``mmap=None``). With ``mmap=True`` (the
+    default for another device, whose tensors are copied there from the map, so that the host
+    holds no second copy) CPU tensors are instead zero-copy copy-on-write maps of the
     file (pages read when used, after the checksum pass reads them once when `verify`; the
     file's disk space stays in use while they live, also after the checkpoint is deleted).
     With `into` (a state dict of the same structure), the values are copied into its tensors in
@@ -101,11 +103,13 @@ def load(
             _load_into(opened, into, rank, verify=verify, allow_pickle=allow_pickle)
             logger.debug("loaded %s (rank %d) into the target state dict", directory, rank)
             return into
-        file = _rank_file(opened, rank, allow_pickle, verify_all=verify, in_memory=not mmap)
+        device = torch.device("cpu" if map_location is None else map_location)
+        in_memory = device.type == "cpu" if mmap is None else not mmap
+        file = _rank_file(opened, rank, allow_pickle, verify_all=verify, in_memory=in_memory)
     logger.debug("loaded %s (rank %d)", directory, rank)
     state = file.state
-    if map_location is not None and torch.device(map_location).type != "cpu":
-        state = _move(state, torch.device(map_location))
+    if device.type != "cpu":
+        state = _move(state, device)
     return state
 
 

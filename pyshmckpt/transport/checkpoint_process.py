@@ -352,6 +352,11 @@ class CheckpointProcess:
 
     def _ensure_writer(self) -> WriterProcess:
         self._check_started()  # raises the init error, if any (bounded)
+        writer = self._writer
+        if not (writer.alive or writer.ready) and self._writers[0] is writer:
+            # The first writer died while starting: its start fails (and with it the writes
+            # spooled for it); that error is this write's too, no restart.
+            self.process_creation_future.result()
         with self._lock:
             writer = self._writer
             if writer.alive:

@@ -219,6 +219,8 @@ def writer_main(
             )
     except BaseException:
         outbox.send(Response(Kind.INIT, 0, ok=False, error=traceback.format_exc()))
+        if watch.dead.is_set():  # orphaned: the segments its spooled writes name go too
+            watch.exit(1)
         return
     watch.busy(False)
     outbox.send(Response(Kind.INIT, 0, ok=True, payload={"pid": os.getpid()}))

@@ -270,6 +270,11 @@ class WriterProcess:
         return self._conn
 
     @property
+    def ready(self) -> bool:
+        """True once the child initialized (and was handed the spooled writes)."""
+        return self._ready
+
+    @property
     def alive(self) -> bool:
         return self._failure is None and self._alive()
 
@@ -367,6 +372,10 @@ class WriterProcess:
             WriterDiedError(self._exit_text("the checkpoint writer process was closed"))
         )
         self._reap()
+        with self._lock:  # never adopted (the start was cancelled or failed)
+            spool, self._spool = self._spool, None
+        if spool is not None:
+            spool.close()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)

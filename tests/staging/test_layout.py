@@ -1850,3 +1850,12 @@ def test_property_a_planner_plans_as_plan_does(first, second):
         assert_plans_equal(got, layout.plan(state))
         staged, _ = execute(got)
         assert_same(staged, state)
+
+
+def test_a_key_of_another_type_that_compares_equal_is_planned_in_full():
+    planner = layout.Planner()
+    planner.plan({1: torch.ones(2), "x": 3})
+    got = planner.plan({True: torch.ones(2), "x": 3})  # True == 1, and hashes alike
+    same(planner.stats.reuses, 0, "reuses")
+    staged, _ = execute(got)
+    same([type(key) for key in staged], [bool, str], "the keys' types")

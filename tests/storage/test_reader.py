@@ -407,7 +407,7 @@ def test_moving_differently_typed_views_of_one_entry(shared):
 def test_load_without_mmap_reads_into_memory_and_keeps_tied_weights_tied(gpt_checkpoint, tmp_path):
     path = shutil.copytree(gpt_checkpoint["path"], tmp_path / "copy")
     mapped = pyshmckpt.load(path, mmap=True)
-    in_memory = pyshmckpt.load(path)  # the default: mmap=False
+    in_memory = pyshmckpt.load(path)  # the default on the CPU: read into memory
     gc.collect()
     maps = Path("/proc/self/maps").read_text()
     assert str(path) in maps  # the mapped load keeps the file mapped while its tensors live

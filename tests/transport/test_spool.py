@@ -38,6 +38,10 @@ def fail_init() -> None:
     raise RuntimeError("the writer's init failed on purpose")
 
 
+def die_in_init() -> None:
+    os._exit(3)
+
+
 class TensorFileWriter:
     """Writes the state dict with torch.save to path (a file)."""
 
@@ -147,6 +151,26 @@ def test_a_failed_start_fails_the_spooled_writes_and_later_writes_raise(tmp_path
         with pytest.raises(pyshmckpt.WriterStartError):
             process.write({"w": torch.ones(4)}, str(tmp_path / "y.pt"))
         assert not (tmp_path / "x.pt").exists()
+    finally:
+        process.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_writer_that_dies_while_starting_fails_its_spooled_writes_and_is_not_restarted(
+    tmp_path,
+):
+    process = CheckpointProcess(
+        RankInfo(0, 1),
+        CheckpointProcessConfig(wait_for_start=False, subprocess_init_timeout_secs=TIMEOUT),
+        die_in_init, (), TensorFileWriter, {},
+    )  # fmt: skip
+    try:
+        future = process.write({"w": torch.ones(4)}, str(tmp_path / "x.pt"))
+        with pytest.raises(pyshmckpt.WriterStartError, match="exit code 3"):
+            future.result(timeout=TIMEOUT)
+        with pytest.raises(pyshmckpt.WriterStartError, match="exit code 3"):
+            process.write({"w": torch.ones(4)}, str(tmp_path / "y.pt"))
+        assert len(process._writers) == 1  # a start that failed is not retried behind its back
     finally:
         process.close()
 
