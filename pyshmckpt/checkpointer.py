@@ -8,7 +8,6 @@ checkpoint directory (across ranks too).
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import errno
 import itertools
 import logging
@@ -179,9 +178,8 @@ class Checkpointer:
         self._run_id = _run_id(run_id, self.world_size, process_group)
         self._attempts = itertools.count(1)
         plain_only = spec.needs_plain_leaves and not self._allow_pickle
-        base = CheckpointProcessConfig() if config is None else CheckpointProcessConfig.of(config)
-        if base.wait_for_start is None:  # the first save never waits for the writer to start
-            base = dataclasses.replace(base, wait_for_start=False)
+        # The first save never waits for the writer to start.
+        base = CheckpointProcessConfig.starting_in_background(config)
         # The writer process starts first: it initializes while the arena is being created.
         self._process = CheckpointProcess(
             RankInfo(self.rank, self.world_size), base, no_init, (), spec.factory, writer_args

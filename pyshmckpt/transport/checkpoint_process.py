@@ -99,6 +99,15 @@ class CheckpointProcessConfig:
             )
         return cls(**given)
 
+    @classmethod
+    def starting_in_background(cls, config: Any) -> CheckpointProcessConfig:
+        """`config` (None, ours or torch's, see `of`) with ``wait_for_start=False`` unless it
+        says otherwise: what front doors whose first save must not wait for the writer use."""
+        converted = cls() if config is None else cls.of(config)
+        if converted.wait_for_start is None:
+            converted = dataclasses.replace(converted, wait_for_start=False)
+        return converted
+
     def __post_init__(self) -> None:
         if self.wait_for_start is not None and not isinstance(self.wait_for_start, bool):
             raise ConfigTypeError(
