@@ -47,7 +47,6 @@ TRAINER = textwrap.dedent(
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.xfail(reason="issue 14: the writer still imports torch", strict=True)
 def test_the_checkpointers_writer_process_does_not_load_torch(tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
