@@ -64,3 +64,32 @@ def test_the_checkpointers_writer_process_does_not_load_torch(tmp_path):
     assert report["trainer_has_torch"]  # the check sees libtorch where it is loaded
     assert report["same"]
     assert report["libraries"] == [], f"the writer process mapped {report['libraries']}"
+
+
+WRITER_MODULES = [
+    "pyshmckpt.transport.launcher",
+    "pyshmckpt.transport.child",
+    "pyshmckpt.storage.safetensors_writer",
+    "pyshmckpt.storage.commit",
+    "pyshmckpt.storage.tree_codec",
+    "pyshmckpt.storage.writers",
+    "pyshmckpt.staging.manifest",
+    "pyshmckpt.staging.views",
+    "pyshmckpt.shm.attached",
+]
+
+
+@pytest.mark.timeout(60)
+def test_the_writer_process_modules_import_without_torch():
+    """What the writer process imports (and `import pyshmckpt`) loads neither torch nor the
+    trainer-side modules: a quick check of the import graph, beside the end-to-end one above."""
+    code = (
+        f"import sys, pyshmckpt; import {', '.join(WRITER_MODULES)}; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True, text=True, env=child_env(), timeout=50, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
