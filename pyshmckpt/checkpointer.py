@@ -15,6 +15,7 @@ import os
 import re
 import secrets
 import threading
+import weakref
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -208,6 +209,11 @@ class Checkpointer:
         self._pending: list[Future[Path]] = []
         self._lock = threading.Lock()
         self._names = itertools.count(1 + max((seq for seq, _ in self._committed()), default=0))
+        # Finalizers run newest first at interpreter exit: without this one (made last), the
+        # stager's would unlink the slots before the process's finished the saves reading them.
+        self._finalizer = weakref.finalize(
+            self, Checkpointer._finalize, self._process, self._stager
+        )
         self._closed = False
 
     def _committed(self) -> list[tuple[int, str]]:
@@ -293,10 +299,21 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         try:
             self._process.close(abort=abort)
         finally:
             self._stager.close()
+
+    @staticmethod
+    def _finalize(process: CheckpointProcess, stager: ShmStager) -> None:
+        """Finish the pending saves, then free the slots (never raises: at exit or collection)."""
+        try:
+            process.close()
+        except Exception as exc:  # noqa: BLE001 - a finalizer has no caller to raise to
+            logger.error("closing the checkpoint writer failed: %s", exc)
+        finally:
+            stager.close()
 
     def __enter__(self) -> Checkpointer:
         return self
