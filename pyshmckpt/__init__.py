@@ -10,8 +10,9 @@ docs/ARCHITECTURE.md.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from .checkpointer import Checkpointer
+from ._lazy import exports
 from .errors import (
     AccessDeniedError,
     CapacityError,
@@ -51,10 +52,40 @@ from .errors import (
     WriterStartTimeoutError,
     WriteTimeoutError,
 )
-from .shm import Arena, Slot, SlotState, collect_stale_segments, cuda_available, cuda_compiled
-from .staging import Manifest, ShmStager, StagedHandle, TensorEntry
-from .storage import load, verify
-from .transport import CheckpointProcess, CheckpointProcessConfig
+
+# The compiled extension is loaded now (it does not load torch): a tree that was never built
+# fails at `import pyshmckpt` with one clear error, not at first use.
+from .shm import native as _native  # noqa: F401
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+    from .shm import Arena, Slot, SlotState, collect_stale_segments, cuda_available, cuda_compiled
+    from .staging import Manifest, ShmStager, StagedHandle, TensorEntry
+    from .storage import load, verify
+    from .transport import CheckpointProcess, CheckpointProcessConfig
+
+# Imported on first use (see _lazy): ``import pyshmckpt.x`` in the writer process loads neither
+# torch nor the trainer-side modules.
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "Checkpointer": "checkpointer",
+        "Arena": "shm",
+        "Slot": "shm",
+        "SlotState": "shm",
+        "collect_stale_segments": "shm",
+        "cuda_available": "shm",
+        "cuda_compiled": "shm",
+        "Manifest": "staging",
+        "ShmStager": "staging",
+        "StagedHandle": "staging",
+        "TensorEntry": "staging",
+        "load": "storage",
+        "verify": "storage",
+        "CheckpointProcess": "transport",
+        "CheckpointProcessConfig": "transport",
+    },
+)
 
 __version__ = "0.1.0"
 

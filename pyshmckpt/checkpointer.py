@@ -15,6 +15,7 @@ import os
 import re
 import secrets
 import threading
+import weakref
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,14 @@ def _run_id(given: str | None, world_size: int, process_group: Any) -> str:
     if process_group is None:
         dist.destroy_process_group(group)
     return str(drawn[0])
+
+
+def _importable(factory: Any) -> bool:
+    """Whether a writer process can import `factory` by its module and name (not a class of the
+    trainer's script, a closure or a partial)."""
+    module = getattr(factory, "__module__", None)
+    qualname = getattr(factory, "__qualname__", "<locals>")
+    return isinstance(module, str) and module != "__main__" and "<locals>" not in qualname
 
 
 def _check_plain(manifest: Any) -> None:
@@ -181,9 +190,12 @@ class Checkpointer:
         # The first save never waits for the writer to start.
         base = CheckpointProcessConfig.starting_in_background(config)
         # The writer process starts first: it initializes while the arena is being created.
+        # A writer importable by module name starts in a fresh interpreter, without the
+        # trainer's __main__: the default one then never loads torch (small, quick to start).
         self._process = CheckpointProcess(
-            RankInfo(self.rank, self.world_size), base, no_init, (), spec.factory, writer_args
-        )
+            RankInfo(self.rank, self.world_size), base, no_init, (), spec.factory, writer_args,
+            lean_writer=_importable(spec.factory),
+        )  # fmt: skip
         try:
             self._stager = ShmStager(
                 capacity_bytes=capacity_bytes,
@@ -197,6 +209,11 @@ class Checkpointer:
         self._pending: list[Future[Path]] = []
         self._lock = threading.Lock()
         self._names = itertools.count(1 + max((seq for seq, _ in self._committed()), default=0))
+        # Finalizers run newest first at interpreter exit: without this one (made last), the
+        # stager's would unlink the slots before the process's finished the saves reading them.
+        self._finalizer = weakref.finalize(
+            self, Checkpointer._finalize, self._process, self._stager
+        )
         self._closed = False
 
     def _committed(self) -> list[tuple[int, str]]:
@@ -282,10 +299,21 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         try:
             self._process.close(abort=abort)
         finally:
             self._stager.close()
+
+    @staticmethod
+    def _finalize(process: CheckpointProcess, stager: ShmStager) -> None:
+        """Finish the pending saves, then free the slots (never raises: at exit or collection)."""
+        try:
+            process.close()
+        except Exception as exc:  # noqa: BLE001 - a finalizer has no caller to raise to
+            logger.error("closing the checkpoint writer failed: %s", exc)
+        finally:
+            stager.close()
 
     def __enter__(self) -> Checkpointer:
         return self

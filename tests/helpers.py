@@ -68,6 +68,18 @@ def pid_running(pid: int) -> bool:
     return proc_state(pid) not in (None, "Z", "X")
 
 
+def child_pids() -> set[int]:
+    """Every living child process of this process, however it was started (multiprocessing's
+    spawn, or the Checkpointer's writer launcher, which multiprocessing does not list)."""
+    pids: set[int] = set()
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        try:
+            pids.update(int(pid) for pid in (task / "children").read_text().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread exited meanwhile
+    return {pid for pid in pids if pid_running(pid)}
+
+
 def wait_until(
     predicate: Callable[[], bool], timeout: float, what: str, poll: float = 0.01
 ) -> float:

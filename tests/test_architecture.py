@@ -24,7 +24,13 @@ SHIPPED_SUITE = PACKAGE / "bench"
 LAYERS = [
     (
         "foundation",
-        {"pyshmckpt.errors", "pyshmckpt.knobs", "pyshmckpt._log", "pyshmckpt._torch_private"},
+        {
+            "pyshmckpt.errors",
+            "pyshmckpt.knobs",
+            "pyshmckpt._log",
+            "pyshmckpt._lazy",
+            "pyshmckpt._torch_private",
+        },
     ),
     ("shm", {"pyshmckpt.shm"}),
     ("staging", {"pyshmckpt.staging"}),

@@ -8,10 +8,33 @@ attaches them by `SlotAddress` (`AttachedSegments`).
 
 from __future__ import annotations
 
-from .arena import Arena, Slot, SlotAddress, SlotState
-from .attached import AttachedSegments, SlotMapping
-from .cuda import cuda_available, cuda_compiled
-from .stale import collect_stale_segments, list_segments
+from typing import TYPE_CHECKING
+
+from .._lazy import exports
+
+if TYPE_CHECKING:
+    from .address import SlotAddress
+    from .arena import Arena, Slot, SlotState
+    from .attached import AttachedSegments, SlotMapping
+    from .cuda import cuda_available, cuda_compiled
+    from .stale import collect_stale_segments, list_segments
+
+# Imported on first use (see _lazy): the writer process loads only the modules it runs.
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "SlotAddress": "address",
+        "Arena": "arena",
+        "Slot": "arena",
+        "SlotState": "arena",
+        "AttachedSegments": "attached",
+        "SlotMapping": "attached",
+        "cuda_available": "cuda",
+        "cuda_compiled": "cuda",
+        "collect_stale_segments": "stale",
+        "list_segments": "stale",
+    },
+)
 
 __all__ = [
     "Arena",

@@ -14,7 +14,6 @@ writing into a slot keep it from being reused until they complete.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import sys
@@ -38,6 +37,7 @@ from ..errors import (
     from_os_error,
 )
 from . import cuda
+from .address import SlotAddress
 from .native import CopyEvent, HostCopy, Segment, populate
 
 logger = logging.getLogger(__name__)
@@ -60,17 +60,6 @@ _TRANSITIONS = {
     SlotState.READY: {SlotState.WRITING, SlotState.FREE},
     SlotState.WRITING: {SlotState.FREE, SlotState.READY},
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotAddress:
-    """What a process needs to attach a slot: segment name, data size and token, and where the
-    slot's data starts in the mapping."""
-
-    name: str
-    size: int
-    token: bytes
-    offset: int
 
 
 def _shift(rows: np.ndarray, offset: int) -> np.ndarray:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from ..errors import from_os_error
-from .arena import SlotAddress
+from .address import SlotAddress
 from .native import Segment
 from .stale import SHM_DIR
 

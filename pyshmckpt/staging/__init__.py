@@ -9,10 +9,30 @@ dict from a mapped slot in the writer process.
 
 from __future__ import annotations
 
-from .layout import StagingPlan, plan
-from .manifest import Manifest, TensorEntry
-from .stager import ShmStager, StagedHandle, lease_staged
-from .views import SlotViews
+from typing import TYPE_CHECKING
+
+from .._lazy import exports
+
+if TYPE_CHECKING:
+    from .layout import StagingPlan, plan
+    from .manifest import Manifest, TensorEntry
+    from .stager import ShmStager, StagedHandle, lease_staged
+    from .views import SlotViews
+
+# Imported on first use (see _lazy): the writer process loads only the modules it runs.
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "StagingPlan": "layout",
+        "plan": "layout",
+        "Manifest": "manifest",
+        "TensorEntry": "manifest",
+        "ShmStager": "stager",
+        "StagedHandle": "stager",
+        "lease_staged": "stager",
+        "SlotViews": "views",
+    },
+)
 
 __all__ = [
     "Manifest",

@@ -17,13 +17,19 @@ import hashlib
 import pickle
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
+from .._lazy import no_attribute
 from ..errors import ConfigTypeError, ManifestIndexError
-from .dtensors import Sharding
+
+if TYPE_CHECKING:
+    import torch
+
+    from .dtensors import Sharding
+
+    DTYPES: dict[str, torch.dtype]  # (module __getattr__, below)
 
 # Node kinds of the structure tree. A tensor is a bare int (its index: ints are not tracked by the
 # garbage collector, which matters with thousands of tensors); any other node is a tuple whose
@@ -83,11 +89,23 @@ def quiet_storage_warnings() -> Iterator[None]:
         yield
 
 
-DTYPES: dict[str, torch.dtype] = {
-    str(value).removeprefix("torch."): value
-    for value in vars(torch).values()
-    if isinstance(value, torch.dtype)
-}
+@functools.cache
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """torch's dtypes by name ("bfloat16"). Imports torch: this module does not otherwise, so
+    that the writer process can read a manifest (and persist its slot) without loading torch."""
+    import torch
+
+    return {
+        str(value).removeprefix("torch."): value
+        for value in vars(torch).values()
+        if isinstance(value, torch.dtype)
+    }
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":  # torch's dtypes by name, loaded on first use (see torch_dtypes)
+        return torch_dtypes()
+    raise no_attribute(__name__, name)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -288,7 +306,9 @@ def make_tensors(
     tensor views ``shared(dtype)``, a 1-D tensor over one storage in which the slot starts at
     byte `slot_offset` (the fast path: one lookup per dtype, not per tensor).
     """
-    dtypes = [DTYPES[name] for name in manifest.dtypes]
+    import torch
+
+    dtypes = [torch_dtypes()[name] for name in manifest.dtypes]
     ndim = manifest.ndim.tolist()
     shapes = manifest.shapes.tolist()
     strides = manifest.strides.tolist()

@@ -8,12 +8,13 @@ zero-copy view of the block), so torch.save of a tensor writes that block, not t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..shm import SlotMapping
 from .manifest import Manifest, build, make_tensors
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SlotViews:
@@ -51,6 +52,8 @@ class SlotViews:
 
 
 def _tensors(slot: SlotMapping, manifest: Manifest) -> list[torch.Tensor]:
+    import torch  # only a StateDictWriter's process gets here: a SlotWriter's never loads torch
+
     view = slot.memoryview()
     blocks = manifest.blocks.tolist()
     bases: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int]] = {}

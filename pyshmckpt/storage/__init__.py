@@ -10,31 +10,43 @@ visible only once it is durable (one rank or several); `reader` loads and verifi
 
 from __future__ import annotations
 
-from .reader import load, verify
-from .safetensors_writer import SafetensorsWriter
-from .torch_writers import DcpWriter, TorchFileWriter, TorchSaveWriter
-from .writers import (
-    SlotWriter,
-    StateDictWriter,
-    WriterSpec,
-    register_writer,
-    writer_kind,
-    writer_names,
-    writer_spec,
-)
+from typing import TYPE_CHECKING
 
-register_writer(
-    WriterSpec(
-        "safetensors", SafetensorsWriter,
-        "rank<r>.safetensors + rank<r>.json, written straight from shared memory",
-        options=frozenset({"allow_pickle", "direct_io"}),
+from .._lazy import exports
+
+if TYPE_CHECKING:
+    from .reader import load, verify
+    from .safetensors_writer import SafetensorsWriter
+    from .torch_writers import DcpWriter, TorchFileWriter, TorchSaveWriter
+    from .writers import (
+        SlotWriter,
+        StateDictWriter,
+        WriterSpec,
+        register_writer,
+        writer_kind,
+        writer_names,
+        writer_spec,
     )
-)  # fmt: skip
-register_writer(
-    WriterSpec("torch", TorchSaveWriter, "torch.save, checkpoint_<r>.pt (torch's CheckpointReader)")
-)
-register_writer(
-    WriterSpec("dcp", DcpWriter, "torch.distributed.checkpoint, one process", multi_rank=False)
+
+# Imported on first use (see _lazy): the writer process loads only the modules it runs. The
+# built-in writers are registered by `writers` on the registry's first use.
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "load": "reader",
+        "verify": "reader",
+        "SafetensorsWriter": "safetensors_writer",
+        "DcpWriter": "torch_writers",
+        "TorchFileWriter": "torch_writers",
+        "TorchSaveWriter": "torch_writers",
+        "SlotWriter": "writers",
+        "StateDictWriter": "writers",
+        "WriterSpec": "writers",
+        "register_writer": "writers",
+        "writer_kind": "writers",
+        "writer_names": "writers",
+        "writer_spec": "writers",
+    },
 )
 
 __all__ = [

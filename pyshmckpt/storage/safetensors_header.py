@@ -9,8 +9,9 @@ offsets must tile the buffer exactly: no gaps, no overlaps, nothing after the la
 This module owns only the header. `build_header` returns the bytes that precede the tensor data
 (padded with spaces, as the reference writer does, so that the data starts at a multiple of 8);
 `parse_header`/`read_header` validate a header against the file size and raise
-`CheckpointCorruptError` for every problem, whatever the bytes are. It imports torch only for
-dtype objects.
+`CheckpointCorruptError` for every problem, whatever the bytes are. It imports torch only when
+dtype objects are asked for (`CODE_TO_DTYPE`, `DTYPE_TO_CODE`): the writer process works from
+dtype names (`NAME_TO_CODE`) and never loads torch.
 
 Compared with the reference reader (safetensors 0.8), parsing is stricter in a few places that no
 conforming writer hits: duplicate JSON keys, unknown fields in an entry, a ``null``
@@ -21,22 +22,29 @@ Like the reference, it accepts a data buffer that does not start 8-aligned and a
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-import torch
-
+from .._lazy import no_attribute
 from ..errors import CheckpointCorruptError, ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    CODE_TO_DTYPE: dict[str, torch.dtype]  # (module __getattr__, below)
+    DTYPE_TO_CODE: dict[torch.dtype, str]
 
 __all__ = [
     "CODE_TO_DTYPE",
     "DTYPE_TO_CODE",
     "METADATA_KEY",
+    "NAME_TO_CODE",
     "Header",
     "HeaderEntry",
     "build_header",
@@ -74,12 +82,30 @@ _CODES: dict[str, tuple[str, int]] = {  # code -> (torch dtype attribute, itemsi
     "C64": ("complex64", 8),
 }
 
-#: safetensors dtype code for each torch dtype both sides know (older torch lacks some).
-CODE_TO_DTYPE: dict[str, torch.dtype] = {
-    code: getattr(torch, attr) for code, (attr, _) in _CODES.items() if hasattr(torch, attr)
-}
-DTYPE_TO_CODE: dict[torch.dtype, str] = {dtype: code for code, dtype in CODE_TO_DTYPE.items()}
-_ITEMSIZE: dict[str, int] = {code: _CODES[code][1] for code in CODE_TO_DTYPE}
+#: safetensors dtype code of each torch dtype name ("bfloat16": "BF16"); no torch needed.
+NAME_TO_CODE: dict[str, str] = {attr: code for code, (attr, _) in _CODES.items()}
+_ITEMSIZE: dict[str, int] = {code: itemsize for code, (_, itemsize) in _CODES.items()}
+
+
+@functools.cache
+def _torch_codes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    """CODE_TO_DTYPE and DTYPE_TO_CODE, for the codes whose dtype this torch has (older torch
+    lacks some). torch is imported here, on first use: the writer process works from names."""
+    import torch
+
+    to_dtype = {
+        code: getattr(torch, attr) for code, (attr, _) in _CODES.items() if hasattr(torch, attr)
+    }
+    return to_dtype, {dtype: code for code, dtype in to_dtype.items()}
+
+
+def __getattr__(name: str) -> Any:
+    # CODE_TO_DTYPE: safetensors code -> torch dtype; DTYPE_TO_CODE: the reverse.
+    if name == "CODE_TO_DTYPE":
+        return _torch_codes()[0]
+    if name == "DTYPE_TO_CODE":
+        return _torch_codes()[1]
+    raise no_attribute(__name__, name)
 
 
 def code_itemsize(code: str) -> int:

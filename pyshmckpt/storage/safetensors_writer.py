@@ -29,7 +29,7 @@ from ..shm import SlotMapping
 from ..staging import Manifest
 from ..staging import manifest as layout
 from . import commit, tree_codec
-from .safetensors_header import DTYPE_TO_CODE, HeaderEntry, build_header
+from .safetensors_header import NAME_TO_CODE, HeaderEntry, build_header, code_itemsize
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +84,11 @@ def plan_file(manifest: Manifest, *, mirror_slot: bool = False) -> FilePlan:
         b = block_of[i]
         if b < 0 or b in owner:
             continue
-        dtype = layout.DTYPES[dtypes[i]]
         shape, stride = dims[i]
         if (
             offsets[i] == blocks[b][0]
             and nbytes[i] == blocks[b][1]
-            and dtype in DTYPE_TO_CODE
+            and dtypes[i] in NAME_TO_CODE
             and stride == layout.contiguous_stride(shape)
         ):
             owner[b] = i
@@ -111,7 +110,7 @@ def plan_file(manifest: Manifest, *, mirror_slot: bool = False) -> FilePlan:
 
     # Natural alignment without padding: entries with larger items first, raw blocks last.
     def itemsize_of(b: int) -> int:
-        return layout.DTYPES[dtypes[owner[b]]].itemsize if b in owner else 1
+        return code_itemsize(NAME_TO_CODE[dtypes[owner[b]]]) if b in owner else 1
 
     if mirror_slot:
         order = sorted(range(len(blocks)), key=lambda b: blocks[b][0])
@@ -133,7 +132,7 @@ def plan_file(manifest: Manifest, *, mirror_slot: bool = False) -> FilePlan:
         if b in owner:
             i = owner[b]
             name = unique(tensor_name(paths[i]))
-            code, shape = DTYPE_TO_CODE[layout.DTYPES[dtypes[i]]], dims[i][0]
+            code, shape = NAME_TO_CODE[dtypes[i]], dims[i][0]
         else:
             name = f"{BLOCK_PREFIX}{b}"
             used.add(name)

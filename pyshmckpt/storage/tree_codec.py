@@ -12,9 +12,8 @@ import base64
 import collections
 import math
 import pickle
+import sys
 from typing import Any
-
-import torch
 
 from ..errors import CheckpointCorruptError, PickleNotAllowedError, UnsupportedValueError
 from ..staging import manifest as layout
@@ -41,9 +40,11 @@ def _encode_leaf(value: Any, allow_pickle: bool) -> Any:
         return {"v": value} if math.isfinite(value) else {"float": repr(value)}
     if type(value) is bytes:
         return {"bytes": base64.b64encode(value).decode()}
-    if isinstance(value, torch.dtype):
+    # A torch dtype or Size exists only once torch is loaded; a process without it has neither.
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.dtype):
         return {"dtype": layout.dtype_name(value)}
-    if type(value) is torch.Size:
+    if torch is not None and type(value) is torch.Size:
         return {"size": list(value)}
     if type(value) in (list, tuple, dict, collections.OrderedDict):
         # Plain containers inside a leaf (betas=(0.9, 0.999) in param_groups, _metadata).
@@ -152,8 +153,10 @@ def _decode_leaf(value: Any, allow_pickle: bool) -> Any:
     if kind == "bytes":
         return base64.b64decode(payload, validate=True)
     if kind == "dtype":
-        return layout.DTYPES[payload]
+        return layout.torch_dtypes()[payload]
     if kind == "size":
+        import torch
+
         return torch.Size(int(d) for d in payload)
     if kind in ("leafdict", "leafodict"):
         pairs = [(_decode_leaf(k, allow_pickle), _decode_leaf(v, allow_pickle)) for k, v in payload]

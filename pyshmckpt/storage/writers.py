@@ -77,7 +77,7 @@ class WriterSpec:
     ) -> dict[str, Any]:
         """The factory's keyword arguments; raises for options this writer does not take."""
         if world_size > 1 and not self.multi_rank:
-            others = sorted(name for name, spec in _REGISTRY.items() if spec.multi_rank)
+            others = sorted(name for name, spec in _registry().items() if spec.multi_rank)
             raise NotSupportedError(
                 f"the {self.name} writer is single-process; across ranks use one of {others}, "
                 "or torch.distributed.checkpoint.async_save with pyshmckpt.ShmStager"
@@ -100,20 +100,51 @@ class WriterSpec:
 
 
 _REGISTRY: dict[str, WriterSpec] = {}
+_BUILTINS_REGISTERED = False
+
+
+def _registry() -> dict[str, WriterSpec]:
+    """The registry, with the built-in writers in it. They are registered on first use, not at
+    import: torch's formats import torch, which the writer process of the default writer (it
+    imports this module to tell a SlotWriter) must not load. A name registered first keeps its
+    own spec."""
+    global _BUILTINS_REGISTERED
+    if not _BUILTINS_REGISTERED:
+        from .safetensors_writer import SafetensorsWriter
+        from .torch_writers import DcpWriter, TorchSaveWriter
+
+        builtins = (
+            WriterSpec(
+                "safetensors", SafetensorsWriter,
+                "rank<r>.safetensors + rank<r>.json, written straight from shared memory",
+                options=frozenset({"allow_pickle", "direct_io"}),
+            ),
+            WriterSpec(
+                "torch", TorchSaveWriter, "torch.save, checkpoint_<r>.pt (torch's CheckpointReader)"
+            ),
+            WriterSpec(
+                "dcp", DcpWriter, "torch.distributed.checkpoint, one process", multi_rank=False
+            ),
+        )  # fmt: skip
+        for spec in builtins:
+            _REGISTRY.setdefault(spec.name, spec)
+        _BUILTINS_REGISTERED = True
+    return _REGISTRY
 
 
 def register_writer(spec: WriterSpec) -> None:
     """Make `spec` selectable as ``Checkpointer(writer=spec.name)``."""
-    _REGISTRY[spec.name] = spec
+    _registry()[spec.name] = spec
 
 
 def writer_spec(name: str) -> WriterSpec:
     """The registered writer called `name`; ConfigError naming the choices otherwise."""
-    spec = _REGISTRY.get(name) if isinstance(name, str) else None
+    registry = _registry()
+    spec = registry.get(name) if isinstance(name, str) else None
     if spec is None:
-        raise ConfigError(f"unknown writer {name!r}; choose one of {sorted(_REGISTRY)}")
+        raise ConfigError(f"unknown writer {name!r}; choose one of {sorted(registry)}")
     return spec
 
 
 def writer_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(_registry())

@@ -8,7 +8,25 @@ drop-in for torch's `CheckpointProcess`, which leases staged slots and hands the
 
 from __future__ import annotations
 
-from .checkpoint_process import CheckpointProcess, CheckpointProcessConfig, RankInfo, no_init
-from .parent import WriterProcess
+from typing import TYPE_CHECKING
+
+from .._lazy import exports
+
+if TYPE_CHECKING:
+    from .checkpoint_process import CheckpointProcess, CheckpointProcessConfig
+    from .child import RankInfo, no_init
+    from .parent import WriterProcess
+
+# Imported on first use (see _lazy): the writer process loads only the modules it runs.
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "CheckpointProcess": "checkpoint_process",
+        "CheckpointProcessConfig": "checkpoint_process",
+        "RankInfo": "child",
+        "no_init": "child",
+        "WriterProcess": "parent",
+    },
+)
 
 __all__ = ["CheckpointProcess", "CheckpointProcessConfig", "RankInfo", "WriterProcess", "no_init"]

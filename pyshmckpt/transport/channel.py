@@ -14,9 +14,10 @@ import enum
 import os
 import signal
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..staging import Manifest
+if TYPE_CHECKING:
+    from ..staging import Manifest
 
 
 class Kind(enum.Enum):

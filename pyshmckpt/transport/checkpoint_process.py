@@ -28,22 +28,10 @@ from ..errors import (
 )
 from ..shm import collect_stale_segments
 from ..staging import ShmStager, lease_staged
-from .child import OrphanPolicy
+from .child import OrphanPolicy, RankInfo, no_init
 from .parent import WriterProcess
 
 logger = logging.getLogger(__name__)
-
-
-class RankInfo:
-    """What torch's RankInfo gives a writer (its two fields), for callers without torch's."""
-
-    def __init__(self, global_rank: int = 0, global_world_size: int = 1) -> None:
-        self.global_rank = global_rank
-        self.global_world_size = global_world_size
-
-
-def no_init() -> None:
-    """A writer process's init function that does nothing."""
 
 
 @dataclasses.dataclass
@@ -159,6 +147,12 @@ class CheckpointProcess:
     ``write_timeout_secs`` fails with TimeoutError after the writer was killed. A failed write
     frees its slot. ``close()`` is bounded and idempotent; ``close(abort=True)`` kills the writer
     at once and abandons pending writes.
+
+    ``lean_writer=True`` (not in torch's API; the Checkpointer's choice) starts the writer as a
+    fresh interpreter that does not import the trainer's ``__main__``, so the init function and
+    writer factory must be importable by module name; ``process.processes[0]`` is then a
+    ``launcher.InterpreterProcess`` (pid, sentinel, is_alive, exitcode, join, kill, terminate)
+    instead of a multiprocessing Process.
     """
 
     def __init__(
@@ -169,6 +163,8 @@ class CheckpointProcess:
         subprocess_init_args: tuple[Any, ...],
         checkpoint_writer_init_fn: Callable[..., Any],
         checkpoint_writer_init_args: dict[str, Any],
+        *,
+        lean_writer: bool = False,
     ) -> None:
         self._closed = True  # until construction finishes
         config = CheckpointProcessConfig.of(config)
@@ -182,6 +178,7 @@ class CheckpointProcess:
             raise ConfigTypeError("checkpoint_writer_init_args must be a dict")
         self._rank_info = rank_info
         self._config = config
+        self._lean_writer = bool(lean_writer)
         self._writer_spec = (
             rank_info, subprocess_init_fn, subprocess_init_args,
             checkpoint_writer_init_fn, checkpoint_writer_init_args,
@@ -328,6 +325,7 @@ class CheckpointProcess:
                 finish=self._config.on_trainer_death == "finish",
                 write_timeout=self._config.write_timeout_secs,
             ),
+            lean=self._lean_writer,
         )
 
     @staticmethod

@@ -48,6 +48,18 @@ _PR_SET_PDEATHSIG = 1
 _PARENT_DEATH_SIGNAL = signal.SIGUSR2
 
 
+class RankInfo:
+    """What torch's RankInfo gives a writer (its two fields), for callers without torch's."""
+
+    def __init__(self, global_rank: int = 0, global_world_size: int = 1) -> None:
+        self.global_rank = global_rank
+        self.global_world_size = global_world_size
+
+
+def no_init() -> None:
+    """A writer process's init function that does nothing."""
+
+
 class _Outbox:
     """Sends to the trainer from any thread of the writer (replies, forwarded log records)."""
 

@@ -38,7 +38,7 @@ from ..errors import (
     WriterStartTimeoutError,
     WriteTimeoutError,
 )
-from . import logs
+from . import launcher, logs
 from .channel import (
     Closed,
     Kind,
@@ -67,7 +67,13 @@ class _Pending:
 
 
 class WriterProcess:
-    """One spawned writer subprocess and the dispatcher that resolves its requests."""
+    """One spawned writer subprocess and the dispatcher that resolves its requests.
+
+    lean: start it with `launcher.launch` (a fresh interpreter that does not import the trainer's
+    ``__main__``; the init function, writer factory and arguments must be importable by module
+    name) instead of multiprocessing's spawn; its `process` is then a
+    `launcher.InterpreterProcess`.
+    """
 
     def __init__(
         self,
@@ -80,7 +86,9 @@ class WriterProcess:
         init_timeout: float,
         shutdown_timeout: float,
         orphans: OrphanPolicy,
+        lean: bool = False,
     ) -> None:
+        self._lean = lean
         self._target_args = (
             rank_info, subprocess_init_fn, tuple(subprocess_init_args),
             checkpoint_writer_init_fn, dict(checkpoint_writer_init_args),
@@ -141,6 +149,9 @@ class WriterProcess:
     def spawn(self) -> None:
         """Start the child process; it initializes in the background. Writes submitted from now
         on are spooled until `wait_ready` hands them over."""
+        if self._lean:
+            self._spawn_lean(Spool())
+            return
         ctx = mp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         spool = Spool()
@@ -166,6 +177,23 @@ class WriterProcess:
         finally:
             child_conn.close()
         logger.debug("spawned writer process %d", process.pid)
+        with self._lock:
+            self._process, self._conn, self.pid = process, parent_conn, process.pid
+            self._spool = spool
+
+    def _spawn_lean(self, spool: Spool) -> None:
+        """`spawn` by `launcher.launch`: a fresh interpreter that imports only the writer's
+        modules, not the trainer's ``__main__``."""
+        self._started = time.monotonic()
+        try:
+            process, parent_conn = launcher.launch(
+                (os.getpid(), logs.current_levels(), self._orphans, *self._target_args),
+                spool_fd=spool.fd,
+            )
+        except BaseException:
+            spool.close()
+            raise
+        logger.debug("started writer process %d", process.pid)
         with self._lock:
             self._process, self._conn, self.pid = process, parent_conn, process.pid
             self._spool = spool

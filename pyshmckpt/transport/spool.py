@@ -1,6 +1,7 @@
 """The spool: writes handed to a writer process that is still starting.
 
-A writer process takes seconds to start (a Python interpreter that imports torch). Rather than
+A writer process takes a while to start (a fraction of a second for the Checkpointer's default
+writer, which does not import torch; seconds for a writer that does). Rather than
 make the trainer's first save wait for it, its WRITE requests are appended to a spool: an
 anonymous memory file (``memfd``) that the writer process inherits when it is spawned. A record
 is complete once ``append`` returns, and from then on it lives in kernel memory that the writer

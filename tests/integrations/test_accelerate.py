@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -31,6 +30,7 @@ from helpers import (  # noqa: E402
     SAVE_TIMEOUT,
     bounded_config,
     child_env,
+    child_pids,
     free_port,
     small_tmpfs,
     visible,
@@ -94,7 +94,7 @@ def test_a_failed_save_is_raised_by_the_next_call_and_one_writer_runs_at_a_time(
 ) -> None:
     run = build(seed=6)
     run.accelerator.prepare(torch.nn.Linear(1000, 1000))  # 4 MB of weights
-    others = set(multiprocessing.active_children())
+    others = child_pids()
     with small_tmpfs(tmp_path / "small") as small:
         saver = ShmStateSaver(run.accelerator, config=bounded_config())
         try:
@@ -115,16 +115,15 @@ def test_a_failed_save_is_raised_by_the_next_call_and_one_writer_runs_at_a_time(
                 saver.save_state(tmp_path / "ok")
             assert not (tmp_path / "ok").exists()
             ok = saver.save_state(tmp_path / "ok").result(timeout=SAVE_TIMEOUT)
-            (writer,) = set(multiprocessing.active_children()) - others  # small's is stopped
-            assert writer.pid is not None
-            os.kill(writer.pid, signal.SIGSTOP)
+            (writer,) = child_pids() - others  # small's is stopped
+            os.kill(writer, signal.SIGSTOP)
             try:
                 late = saver.save_state(tmp_path / "late")
                 with pytest.raises(pyshmckpt.WriteTimeoutError):
                     saver.wait(timeout=0.2)
                 assert not late.done()
             finally:
-                os.kill(writer.pid, signal.SIGCONT)
+                os.kill(writer, signal.SIGCONT)
             assert saver.wait(timeout=SAVE_TIMEOUT) == [tmp_path / "late"]
             assert saver.load_state(ok) == ok
         finally:
