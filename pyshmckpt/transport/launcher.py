@@ -30,8 +30,13 @@ from typing import Any
 
 from .child import writer_main
 
-# What the child runs: no `-m` (runpy would import the module a second time as __main__).
-_ENTRY = "from pyshmckpt.transport.launcher import main; main()"
+# What the child runs: no `-m` (runpy would import the module a second time as __main__). `-c`
+# puts the working directory first on sys.path, where a source checkout of pyshmckpt (without its
+# compiled extension) may lie: the directory of this very package goes before it (argv[1]).
+_ENTRY = (
+    "import sys; sys.path.insert(0, sys.argv[1]); "
+    "from pyshmckpt.transport.launcher import main; main()"
+)
 
 
 class InterpreterProcess:
@@ -91,15 +96,14 @@ def launch(args: tuple[Any, ...], *, spool_fd: int) -> tuple[InterpreterProcess,
     killed and reaped first), as they would from a multiprocessing start."""
     ours, theirs = socket.socketpair()
     exit_r, exit_w = os.pipe()
-    env = dict(os.environ)
-    # The package this module came from, first: the child must import this very pyshmckpt.
+    # The directory of the package this module came from: the child imports this very pyshmckpt.
     root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     command = [
         sys.executable,
         *subprocess._args_from_interpreter_flags(),  # type: ignore[attr-defined]
         "-c",
         _ENTRY,
+        root,
         str(theirs.fileno()),
         str(spool_fd),
         str(exit_w),
@@ -109,7 +113,6 @@ def launch(args: tuple[Any, ...], *, spool_fd: int) -> tuple[InterpreterProcess,
             command,
             stdin=subprocess.DEVNULL,
             pass_fds=(theirs.fileno(), spool_fd, exit_w),
-            env=env,
         )
     except BaseException:
         ours.close()
@@ -134,7 +137,7 @@ def launch(args: tuple[Any, ...], *, spool_fd: int) -> tuple[InterpreterProcess,
 
 def main() -> None:
     """The writer process (see `launch`): argv is the channel, the spool and the exit pipe."""
-    channel, spool_fd, exit_w = (int(arg) for arg in sys.argv[1:4])
+    channel, spool_fd, exit_w = (int(arg) for arg in sys.argv[2:5])
     for fd in (channel, spool_fd, exit_w):  # ours alone, not a process the writer may start
         os.set_inheritable(fd, False)
     conn = Connection(channel)

@@ -93,3 +93,41 @@ def test_the_writer_process_modules_import_without_torch():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+SAVE_ONCE = textwrap.dedent(
+    """
+    import sys
+
+    import torch
+
+    import pyshmckpt
+
+    if __name__ == "__main__":
+        with pyshmckpt.Checkpointer(sys.argv[1]) as checkpointer:
+            checkpointer.save({"w": torch.ones(8)}, name="one").result(timeout=60)
+        print("saved", flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(180)
+def test_the_writer_imports_the_trainers_pyshmckpt_whatever_the_working_directory_holds(
+    tmp_path,
+):
+    """Run from a directory holding another `pyshmckpt` (a source checkout without its compiled
+    extension, as CI's clone is), the writer still imports the package the trainer imported:
+    `python -c` puts the working directory first on its path."""
+    cwd = tmp_path / "checkout"
+    (cwd / "pyshmckpt").mkdir(parents=True)
+    (cwd / "pyshmckpt" / "__init__.py").write_text("raise ImportError('the wrong pyshmckpt')\n")
+    script = tmp_path / "scripts" / "save_once.py"
+    script.parent.mkdir()
+    script.write_text(SAVE_ONCE)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt")],
+        capture_output=True, text=True, env=child_env(), cwd=str(cwd), timeout=150, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "saved"
+    assert (tmp_path / "ckpt" / "one" / "rank0.safetensors").is_file()
