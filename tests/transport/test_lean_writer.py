@@ -80,16 +80,17 @@ WRITER_MODULES = [
 
 
 @pytest.mark.timeout(60)
-def test_the_writer_process_modules_import_without_torch():
+def test_the_writer_process_modules_import_without_torch(tmp_path):
     """What the writer process imports (and `import pyshmckpt`) loads neither torch nor the
     trainer-side modules: a quick check of the import graph, beside the end-to-end one above."""
     code = (
         f"import sys, pyshmckpt; import {', '.join(WRITER_MODULES)}; "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )
-    done = subprocess.run(
+    done = subprocess.run(  # from elsewhere than a checkout (`-c` imports from the cwd first)
         [sys.executable, "-c", code],
-        capture_output=True, text=True, env=child_env(), timeout=50, check=False,
+        capture_output=True, text=True, env=child_env(), cwd=str(tmp_path), timeout=50,
+        check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
