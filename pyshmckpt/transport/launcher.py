@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .child import writer_main
+from .spool import close_quietly
 
 # What the child runs: no `-m` (runpy would import the module a second time as __main__). `-c`
 # puts the working directory first on sys.path, where a source checkout of pyshmckpt (without its
@@ -50,7 +51,7 @@ class InterpreterProcess:
         self._popen = popen
         self.pid = popen.pid
         self.sentinel = sentinel  # readable (EOF) once the process exited
-        self._finalizer = weakref.finalize(self, _close_quietly, sentinel)
+        self._finalizer = weakref.finalize(self, close_quietly, sentinel)
         # Not at exit: the Checkpointer's own exit-time close still waits on the sentinel then.
         self._finalizer.atexit = False
 
@@ -85,11 +86,6 @@ class InterpreterProcess:
         return f"<InterpreterProcess {self.name} pid={self.pid} exitcode={self.exitcode}>"
 
 
-def _close_quietly(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)
-
-
 def launch(args: tuple[Any, ...], *, spool_fd: int) -> tuple[InterpreterProcess, Connection]:
     """Start a writer process that runs ``writer_main(conn, spool_fd, *args)``; returns it and
     the trainer's end of its control channel. Unpicklable arguments raise here (the child is
@@ -116,11 +112,11 @@ def launch(args: tuple[Any, ...], *, spool_fd: int) -> tuple[InterpreterProcess,
         )
     except BaseException:
         ours.close()
-        _close_quietly(exit_r)
+        close_quietly(exit_r)
         raise
     finally:
         theirs.close()
-        _close_quietly(exit_w)
+        close_quietly(exit_w)
     process = InterpreterProcess(popen, exit_r)
     conn = Connection(ours.detach())
     try:

@@ -60,9 +60,7 @@ class Spool:
     def close(self) -> None:
         """Drop the trainer's reference; the writer keeps its own. Idempotent."""
         fd, self.fd = self.fd, -1
-        if fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        close_quietly(fd)
 
 
 class SpoolReader:
@@ -91,9 +89,7 @@ class SpoolReader:
 
     def close(self) -> None:
         fd, self._fd = self._fd, -1
-        if fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        close_quietly(fd)
 
 
 class InheritedFd:
@@ -105,6 +101,13 @@ class InheritedFd:
 
     def __reduce__(self) -> tuple[Any, tuple[Any]]:
         return _adopt, (reduction.DupFd(self.fd),)
+
+
+def close_quietly(fd: int) -> None:
+    """Close a descriptor (none when negative), ignoring errors: cleanup that must not raise."""
+    if fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _adopt(duplicate: Any) -> int:
