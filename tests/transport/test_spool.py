@@ -52,17 +52,17 @@ class TensorFileWriter:
         torch.save(state_dict, path)
 
 
-def gated_process(gate: Path, **config: object) -> CheckpointProcess:
+def spooling_process(init: object, *args: object) -> CheckpointProcess:
+    """A CheckpointProcess that spools writes while its writer runs `init(*args)`."""
     return CheckpointProcess(
         RankInfo(0, 1),
-        CheckpointProcessConfig(
-            wait_for_start=False, subprocess_init_timeout_secs=TIMEOUT, **config
-        ),
-        wait_for_file,
-        (str(gate),),
-        TensorFileWriter,
-        {},
-    )
+        CheckpointProcessConfig(wait_for_start=False, subprocess_init_timeout_secs=TIMEOUT),
+        init, args, TensorFileWriter, {},
+    )  # fmt: skip
+
+
+def gated_process(gate: Path) -> CheckpointProcess:
+    return spooling_process(wait_for_file, str(gate))
 
 
 def test_spool_reads_complete_records_in_order_and_stops_at_a_torn_one():
@@ -139,11 +139,7 @@ def test_close_finishes_spooled_writes(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_failed_start_fails_the_spooled_writes_and_later_writes_raise(tmp_path):
-    process = CheckpointProcess(
-        RankInfo(0, 1),
-        CheckpointProcessConfig(wait_for_start=False, subprocess_init_timeout_secs=TIMEOUT),
-        fail_init, (), TensorFileWriter, {},
-    )  # fmt: skip
+    process = spooling_process(fail_init)
     try:
         future = process.write({"w": torch.ones(4)}, str(tmp_path / "x.pt"))
         with pytest.raises(pyshmckpt.WriterStartError, match="failed on purpose"):
@@ -159,11 +155,7 @@ def test_a_failed_start_fails_the_spooled_writes_and_later_writes_raise(tmp_path
 def test_a_writer_that_dies_while_starting_fails_its_spooled_writes_and_is_not_restarted(
     tmp_path,
 ):
-    process = CheckpointProcess(
-        RankInfo(0, 1),
-        CheckpointProcessConfig(wait_for_start=False, subprocess_init_timeout_secs=TIMEOUT),
-        die_in_init, (), TensorFileWriter, {},
-    )  # fmt: skip
+    process = spooling_process(die_in_init)
     try:
         future = process.write({"w": torch.ones(4)}, str(tmp_path / "x.pt"))
         with pytest.raises(pyshmckpt.WriterStartError, match="exit code 3"):
