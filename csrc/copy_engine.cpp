@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "errors.h"
+#include "stream_copy.h"
 #include "thread_pool.h"
 
 #ifdef PYSHMCKPT_WITH_CUDA
@@ -48,6 +49,7 @@ void copy_host_unchecked(std::uint8_t* base, const CopyEntry* entries, std::size
   const std::uint64_t total = starts[count];
   if (total == 0) return;
   ThreadPool& pool = ThreadPool::instance();
+  const bool streaming = total >= kStreamingBytes;
   const std::uint64_t wanted = total / (4 * pool.num_threads()) + 1;
   const std::uint64_t piece = std::clamp<std::uint64_t>(wanted, 256u << 10, 64u << 20);
   const std::size_t pieces = static_cast<std::size_t>((total + piece - 1) / piece);
@@ -61,8 +63,13 @@ void copy_host_unchecked(std::uint8_t* base, const CopyEntry* entries, std::size
       if (entry_end <= pos) continue;
       const std::uint64_t within = pos - starts[i];
       const std::uint64_t len = std::min(entry_end, end) - pos;
-      std::memcpy(base + entries[i].dst + within,
-                  reinterpret_cast<const std::uint8_t*>(entries[i].src) + within, len);
+      std::uint8_t* to = base + entries[i].dst + within;
+      const auto* from = reinterpret_cast<const std::uint8_t*>(entries[i].src) + within;
+      if (streaming) {
+        stream_copy(to, from, len);
+      } else {
+        std::memcpy(to, from, len);
+      }
       pos += len;
     }
   });

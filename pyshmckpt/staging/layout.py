@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import gc
 import logging
+import operator
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -480,24 +481,29 @@ class PlannerStats:
 Signature = tuple[list[Any], ...]
 
 
+# What `_signature` reads of each tensor: getters that `map` calls in C, about half the cost of
+# attribute lookups in a comprehension, which matters at thousands of tensors.
+_SIGNATURE_GETTERS = (
+    operator.attrgetter("dtype"),
+    operator.attrgetter("shape"),
+    torch._C.TensorBase.stride,
+    torch._C.TensorBase.storage_offset,
+    operator.attrgetter("device"),
+    operator.attrgetter("layout"),
+    operator.attrgetter("requires_grad"),
+    torch._C.TensorBase.is_conj,
+    torch._C.TensorBase.is_neg,
+)
+
+
 def _signature(tensors: list[torch.Tensor]) -> Signature:
-    """Everything about each tensor that places it in a slot, one column per attribute.
+    """Everything about each tensor that places it in a slot, one column per attribute: class,
+    dtype, shape, stride, storage offset, device, layout, requires_grad and the lazy conj/neg bits.
 
     Columns compare with one ``==`` each, in C. Raises whatever torch raises for a tensor without
     strides (sparse, nested): the caller treats that as a mismatch.
     """
-    return (
-        [type(t) for t in tensors],
-        [t.dtype for t in tensors],
-        [t.shape for t in tensors],
-        [t.stride() for t in tensors],
-        [t.storage_offset() for t in tensors],
-        [t.device for t in tensors],
-        [t.layout for t in tensors],
-        [t.requires_grad for t in tensors],
-        [t.is_conj() for t in tensors],
-        [t.is_neg() for t in tensors],
-    )
+    return (list(map(type, tensors)), *(list(map(get, tensors)) for get in _SIGNATURE_GETTERS))
 
 
 @dataclasses.dataclass
@@ -518,6 +524,28 @@ class _Template:
     host: np.ndarray  # the last plan's host rows (blocks on the host, then gap rows)
     device: dict[int, np.ndarray]
     gathers: np.ndarray  # indices of gathered tensors
+    runs: dict[int, int] | None = None  # see tensor_runs; made by the first reuse
+
+    def tensor_runs(self) -> dict[int, int]:
+        """The containers whose children are all plain tensors numbered start, start + 1, ...,
+        each appearing nowhere else (by id of the tree node, which the template keeps alive):
+        the first index of each. The matcher takes such children in one slice."""
+        if self.runs is None:
+            counts: dict[int, int] = {}
+            containers: list[tuple[Any, ...]] = []
+            _count_tensors(self.manifest.tree, counts, containers)
+            runs = {}
+            for node in containers:
+                children = node[2]
+                if not children or any(type(c) is not int for c in children):
+                    continue
+                start = children[0]
+                if children == tuple(range(start, start + len(children))) and all(
+                    counts[c] == 1 and c not in self.dtensors for c in children
+                ):
+                    runs[id(node)] = start
+            self.runs = runs
+        return self.runs
 
     def rows(self, storage: np.ndarray) -> tuple[np.ndarray, dict[int, np.ndarray]]:
         """Fresh host and device rows reading the blocks from `storage` (per block)."""
@@ -535,6 +563,21 @@ class _Template:
         return host, device
 
 
+def _count_tensors(node: Any, counts: dict[int, int], containers: list[tuple[Any, ...]]) -> None:
+    """How often each tensor index occurs under `node`, and its container nodes."""
+    if type(node) is int:
+        counts[node] = counts.get(node, 0) + 1
+        return
+    if node[0] in (LEAF, PICKLED):
+        return
+    containers.append(node)
+    for child in node[2]:
+        _count_tensors(child, counts, containers)
+
+
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
 class _Mismatch(Exception):
     """The state dict differs from the template's; the reason goes to PlannerStats."""
 
@@ -543,10 +586,11 @@ class _Matcher:
     """Walks a state dict along a template's tree: collects its tensors in tree order, takes fresh
     copies of the leaves and raises _Mismatch at the first structural difference."""
 
-    def __init__(self, count: int, dtensors: frozenset[int]) -> None:
+    def __init__(self, count: int, dtensors: frozenset[int], runs: dict[int, int]) -> None:
         self.seen: list[Any] = [None] * count  # tensor index -> the object found there
         self.tensors: list[Any] = [None] * count  # the tensor to copy (a DTensor's local shard)
         self.dtensors = dtensors
+        self.runs = runs  # see _Template.tensor_runs
         self.found: dict[int, tuple[Any, Any]] = {}  # index -> (DTensor, ShardInfo)
         self.memo: dict[int, Any] = {}
 
@@ -582,6 +626,14 @@ class _Matcher:
 
     def _children(self, values: Any, node: tuple[Any, ...]) -> tuple[Any, ...]:
         children = node[2]
+        start = self.runs.get(id(node))
+        if start is not None:  # plain tensors only, in one slice (else: the loop names the change)
+            objs = list(values)
+            if len(objs) == len(children) and _PLAIN_TENSORS.issuperset(map(type, objs)):
+                stop = start + len(objs)
+                self.seen[start:stop] = objs
+                self.tensors[start:stop] = objs
+                return node
         out = None
         match = self.match
         for i, (value, child) in enumerate(zip(values, children, strict=True)):
@@ -742,10 +794,10 @@ def _reuse(template: _Template, state_dict: Any) -> StagingPlan:
     """`template`'s layout with `state_dict`'s tensors and leaves; _Mismatch if it differs."""
     manifest = template.manifest
     n = len(manifest)
-    matcher = _Matcher(n, template.dtensors)
+    matcher = _Matcher(n, template.dtensors, template.tensor_runs())
     tree = matcher.match(state_dict, manifest.tree)
     tensors = matcher.tensors
-    if n and len({id(obj) for obj in matcher.seen}) != n:
+    if n and len(set(map(id, matcher.seen))) != n:
         raise _Mismatch("two tensors are now one object")
     try:
         signature = _signature(tensors)
@@ -760,7 +812,7 @@ def _reuse(template: _Template, state_dict: Any) -> StagingPlan:
             raise _Mismatch("a DTensor's placement changed")
     # Storage addresses, element 0 less its offset (cheaper than untyped_storage()). Tensors that
     # shared a storage must still share one, and no two blocks may now share one.
-    pointers = np.fromiter([t.data_ptr() for t in tensors], dtype=np.uint64, count=n)
+    pointers = np.fromiter(map(torch._C.TensorBase.data_ptr, tensors), dtype=np.uint64, count=n)
     storage = pointers - template.start
     block_storage = storage[template.block_first]
     if not np.array_equal(storage[template.member], block_storage[template.member_block]):

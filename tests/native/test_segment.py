@@ -811,6 +811,25 @@ def test_copy_from_host_many_tiny_entries_across_pieces(source, threads):
         assert contents(seg) == expected_after(before, source, triples)
 
 
+@pytest.mark.usefixtures("restore_threads")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_copy_from_host_large_batch_streams_every_byte(threads):
+    # Batches of 16 MiB and more take the streaming-store copy: odd sizes and misaligned sources
+    # and destinations (heads and tails shorter than a cache line), small entries among large.
+    _C.set_num_threads(threads)
+    rng = np.random.default_rng(11)
+    large = np.random.default_rng(12).integers(0, 256, 7 * MIB + 91, dtype=np.uint8)
+    sizes = [7 * MIB + 3, 5 * MIB - 61, 4 * MIB + 129, 63, 64, 65, 1, 0, 127, 3 * MIB + 1]
+    sizes += [int(n) for n in rng.integers(0, 200, 50)]
+    with _C.Segment.create(sum(sizes) + 64 * KIB) as seg:
+        fill_random(seg, seed=5, start=0)
+        before = contents(seg)
+        entries, triples = make_batch(rng, large, seg.data_offset, sizes)
+        assert sum(sizes) >= 16 * MIB
+        seg.copy_from_host(entries)
+        assert contents(seg) == expected_after(before, large, triples)
+
+
 def test_copy_from_host_up_to_the_last_byte(source, segment):
     before = contents(segment)
     n = 1001

@@ -33,7 +33,9 @@ from pyshmckpt import SlotState, TensorEntry, UnsupportedValueError, knobs
 from pyshmckpt.staging import layout
 from pyshmckpt.staging.manifest import (
     DTYPES,
+    LEAF,
     PARAMETER,
+    PICKLED,
     REQUIRES_GRAD,
     Manifest,
     build,
@@ -1523,6 +1525,8 @@ def base_state() -> dict[str, Any]:
         "params": params,
         "point": Counted(torch.ones(2), 2),
         "opt": {"step": 10, "lr": 0.5, "name": "adam", "betas": (0.9, 0.99), "extra": {"k": [1]}},
+        # Only tensors, each once: the planner checks such a container's children in one go.
+        "layer": {"w": torch.randn(2, 3), "b": torch.randn(3), "g": torch.ones(3)},
     }
 
 
@@ -1703,6 +1707,10 @@ def _list_to_tuple(state: dict[str, Any]) -> None:
     state["again"] = tuple(state["again"])
 
 
+class _Subclass(torch.Tensor):
+    pass
+
+
 def _reorder(state: dict[str, Any]) -> None:
     state["embed"] = state.pop("embed")
 
@@ -1734,6 +1742,12 @@ CHANGES = {
     "tensor becomes a leaf": _tensor_to_leaf,
     "container type": _container_type,
     "list becomes a tuple": _list_to_tuple,
+    "tensor of an all-tensor dict becomes a subclass": lambda s: s["layer"].update(
+        b=s["layer"]["b"].as_subclass(_Subclass)
+    ),
+    "tensor of an all-tensor dict becomes a leaf": lambda s: s["layer"].update(g=1.0),
+    "two tensors of an all-tensor dict become one": lambda s: s["layer"].update(b=s["layer"]["g"]),
+    "all-tensor dict grows": lambda s: s["layer"].update(z=torch.ones(1)),
     "meta tensor": lambda s: s.update(half=torch.ones(3, dtype=torch.float16, device="meta")),
 }
 
@@ -1859,3 +1873,20 @@ def test_a_key_of_another_type_that_compares_equal_is_planned_in_full():
     same(planner.stats.reuses, 0, "reuses")
     staged, _ = execute(got)
     same([type(key) for key in staged], [bool, str], "the keys' types")
+
+
+def test_containers_of_tensors_seen_once_are_matched_in_one_slice():
+    # Only containers whose children are all tensors appearing nowhere else qualify: "layer" (a
+    # dict) and "params" (an OrderedDict); not "again" (w is also at "embed"), nor the root or
+    # "point" (they hold other values too).
+    planner, _ = plan_again(base_state())
+    template = planner._template
+    runs = template.tensor_runs()
+    matched = sorted(node[1] for node in _containers(template.manifest.tree) if id(node) in runs)
+    same(matched, [("w", "b"), ("w", "b", "g")], "containers matched in one slice")
+
+
+def _containers(node: Any) -> list[Any]:
+    if type(node) is int or node[0] in (LEAF, PICKLED):
+        return []
+    return [node, *(c for child in node[2] for c in _containers(child))]
