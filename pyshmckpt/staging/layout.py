@@ -17,7 +17,7 @@ import gc
 import logging
 import operator
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -75,6 +75,9 @@ class StagingPlan:
     device: dict[int, np.ndarray]  # CUDA device index -> (n, 3) entries as above
     gathers: list[tuple[int, torch.Tensor]]  # (tensor index, source) copied by torch
     sources: list[torch.Tensor]
+    # A reused plan from Planner.plan(..., defer_flags=True): checks the tensors' flags (what a
+    # copy does not need to read its sources safely), returning why a full plan is needed or None.
+    recheck: Callable[[], str | None] | None = None
 
 
 class _Invalid(Exception):
@@ -408,6 +411,7 @@ def _plan(state_dict: Any, pickle_unsupported: bool) -> tuple[StagingPlan, _Temp
     template = _Template(
         manifest=manifest,
         signature=_signature(tensors),
+        flags=_flags(tensors),
         dtensors=frozenset(walker.dtensors),
         start=start.astype(np.uint64),
         member=member,
@@ -481,14 +485,16 @@ class PlannerStats:
 Signature = tuple[list[Any], ...]
 
 
-# What `_signature` reads of each tensor: getters that `map` calls in C, about half the cost of
-# attribute lookups in a comprehension, which matters at thousands of tensors.
+# What `_signature` and `_flags` read of each tensor: getters that `map` calls in C, about half
+# the cost of attribute lookups in a comprehension, which matters at thousands of tensors.
 _SIGNATURE_GETTERS = (
     operator.attrgetter("dtype"),
     operator.attrgetter("shape"),
     torch._C.TensorBase.stride,
     torch._C.TensorBase.storage_offset,
     operator.attrgetter("device"),
+)
+_FLAG_GETTERS = (
     operator.attrgetter("layout"),
     operator.attrgetter("requires_grad"),
     torch._C.TensorBase.is_conj,
@@ -497,13 +503,19 @@ _SIGNATURE_GETTERS = (
 
 
 def _signature(tensors: list[torch.Tensor]) -> Signature:
-    """Everything about each tensor that places it in a slot, one column per attribute: class,
-    dtype, shape, stride, storage offset, device, layout, requires_grad and the lazy conj/neg bits.
+    """What places each tensor in a slot, one column per attribute: class, dtype, shape, stride,
+    storage offset and device. With these unchanged, the copy rows read inside each tensor's
+    memory.
 
     Columns compare with one ``==`` each, in C. Raises whatever torch raises for a tensor without
     strides (sparse, nested): the caller treats that as a mismatch.
     """
     return (list(map(type, tensors)), *(list(map(get, tensors)) for get in _SIGNATURE_GETTERS))
+
+
+def _flags(tensors: list[torch.Tensor]) -> Signature:
+    """The rest of what a layout depends on: layout, requires_grad and the lazy conj/neg bits."""
+    return tuple(list(map(get, tensors)) for get in _FLAG_GETTERS)
 
 
 @dataclasses.dataclass
@@ -513,6 +525,7 @@ class _Template:
 
     manifest: Manifest
     signature: Signature
+    flags: Signature
     dtensors: frozenset[int]  # indices of tensors that are DTensors' local shards
     start: np.ndarray  # (n,) uint64: byte offset of element 0 in its storage
     member: np.ndarray  # tensors copied as part of a block (staged, not gathered)
@@ -766,23 +779,38 @@ class Planner:
         self._template: _Template | None = None
         self._lock = threading.Lock()
 
-    def plan(self, state_dict: Any) -> StagingPlan:
-        """A StagingPlan for `state_dict`; raises UnsupportedValueError as `plan()` does."""
+    def plan(self, state_dict: Any, *, defer_flags: bool = False) -> StagingPlan:
+        """A StagingPlan for `state_dict`; raises UnsupportedValueError as `plan()` does.
+
+        With `defer_flags`, a reused plan is returned once everything its copies read by is
+        checked, and its ``recheck`` checks the rest (the tensors' flags): the caller starts the
+        copies, calls it meanwhile, and on a reason abandons them and calls `replan`.
+        """
         with self._lock, gc_paused():
             template = self._template
             if template is not None and self.reuse:
                 try:
-                    reused = _reuse(template, state_dict)
+                    reused = _reuse(template, state_dict, defer_flags)
                 except _Mismatch as exc:
                     self.stats.last_replan = str(exc)
                 else:
                     self.stats.reuses += 1
                     self.stats.last_replan = None
                     return reused
-            self._template = None  # a state dict that fails to plan leaves nothing to reuse
-            staging_plan, self._template = _plan(state_dict, self.pickle_unsupported)
-            self.stats.plans += 1
-            return staging_plan
+            return self._full_plan(state_dict)
+
+    def replan(self, state_dict: Any, reason: str) -> StagingPlan:
+        """A full plan of `state_dict`, whose reused plan's recheck gave `reason`."""
+        with self._lock, gc_paused():
+            self.stats.reuses -= 1  # counted when it was handed out
+            self.stats.last_replan = reason
+            return self._full_plan(state_dict)
+
+    def _full_plan(self, state_dict: Any) -> StagingPlan:
+        self._template = None  # a state dict that fails to plan leaves nothing to reuse
+        staging_plan, self._template = _plan(state_dict, self.pickle_unsupported)
+        self.stats.plans += 1
+        return staging_plan
 
     def forget(self) -> None:
         """Drop the cached layout: the next state dict is planned in full."""
@@ -790,8 +818,9 @@ class Planner:
             self._template = None
 
 
-def _reuse(template: _Template, state_dict: Any) -> StagingPlan:
-    """`template`'s layout with `state_dict`'s tensors and leaves; _Mismatch if it differs."""
+def _reuse(template: _Template, state_dict: Any, defer_flags: bool = False) -> StagingPlan:
+    """`template`'s layout with `state_dict`'s tensors and leaves; _Mismatch if it differs (or,
+    with `defer_flags`, if it differs in more than flags: the plan's recheck looks at those)."""
     manifest = template.manifest
     n = len(manifest)
     matcher = _Matcher(n, template.dtensors, template.tensor_runs())
@@ -804,7 +833,15 @@ def _reuse(template: _Template, state_dict: Any) -> StagingPlan:
     except Exception as exc:  # no strides: sparse, nested and the like
         raise _Mismatch(f"a tensor has no strided layout: {exc!r}") from None
     if signature != template.signature:
-        raise _Mismatch("a tensor's class, dtype, shape, stride, offset, device or flags changed")
+        raise _Mismatch("a tensor's class, dtype, shape, stride, offset or device changed")
+
+    def recheck() -> str | None:
+        if _flags(tensors) != template.flags:
+            return "a tensor's layout, requires_grad or lazy conj/neg bit changed"
+        return None
+
+    if not defer_flags and (reason := recheck()) is not None:
+        raise _Mismatch(reason)
     sharding = None
     if template.dtensors:
         sharding = Sharding.of(matcher.found)
@@ -826,4 +863,11 @@ def _reuse(template: _Template, state_dict: Any) -> StagingPlan:
     template.storage, template.host, template.device = block_storage, host, device
     gathers = [(i, tensors[i]) for i in template.gathers.tolist()]
     relaid = manifest.relaid(tree, sharding)
-    return StagingPlan(manifest=relaid, host=host, device=device, gathers=gathers, sources=tensors)
+    return StagingPlan(
+        manifest=relaid,
+        host=host,
+        device=device,
+        gathers=gathers,
+        sources=tensors,
+        recheck=recheck if defer_flags else None,
+    )

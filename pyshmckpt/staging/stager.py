@@ -214,13 +214,11 @@ class ShmStager(*_bases):  # type: ignore[misc]
         """
         self._check_open()
         # Validation first: nothing is staged for bad input.
-        staging_plan = self._planner.plan(state_dict)
-        if self._validate is not None:
-            self._validate(staging_plan.manifest)
+        staging_plan = self._plan(state_dict)
         if self._executor is None:
-            return self._staged(staging_plan, None)
+            return self._staged(state_dict, staging_plan, None)
         events = self._record_producers(staging_plan)
-        future = self._executor.submit(self._staged, staging_plan, events)
+        future = self._executor.submit(self._staged, state_dict, staging_plan, events)
         self._pending = future
         return future
 
@@ -253,10 +251,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
         """Stage `state_dict` into a slot of its own and lease it: no staged copy is handed out,
         and giving the handle back frees the slot. Blocking, whatever `async_staging` says."""
         self._check_open()
-        staging_plan = self._planner.plan(state_dict)
-        if self._validate is not None:
-            self._validate(staging_plan.manifest)
-        slot, _ = self._stage_plan(staging_plan, None, lease=True)
+        slot, _ = self._stage(state_dict, self._plan(state_dict), None, lease=True)
         return StagedHandle(self, slot, leased=True, owned=True)
 
     def _slot_of(self, staged: Any) -> Slot | None:
@@ -358,12 +353,38 @@ class ShmStager(*_bases):  # type: ignore[misc]
                 self._arenas.remove(arena)
                 logger.debug("retired arena %s", arena.name)
 
+    def _plan(self, state_dict: Any) -> layout.StagingPlan:
+        staging_plan = self._planner.plan(state_dict, defer_flags=True)
+        if self._validate is not None:
+            self._validate(staging_plan.manifest)
+        return staging_plan
+
     def _staged(
-        self, staging_plan: layout.StagingPlan, producers: dict[int, torch.cuda.Event] | None
+        self,
+        state_dict: Any,
+        staging_plan: layout.StagingPlan,
+        producers: dict[int, torch.cuda.Event] | None,
     ) -> Any:
         """Stage into a free slot; return the staged state dict (the slot is READY)."""
-        _, staged = self._stage_plan(staging_plan, producers, lease=False)
+        _, staged = self._stage(state_dict, staging_plan, producers, lease=False)
         return staged
+
+    def _stage(
+        self,
+        state_dict: Any,
+        staging_plan: layout.StagingPlan,
+        producers: dict[int, torch.cuda.Event] | None,
+        *,
+        lease: bool,
+    ) -> tuple[Slot, Any]:
+        """_stage_plan, and again with a full plan when a reused plan's recheck fails."""
+        try:
+            return self._stage_plan(staging_plan, producers, lease=lease)
+        except _Relayout as relayout:
+            staging_plan = self._planner.replan(state_dict, relayout.reason)
+        if self._validate is not None:
+            self._validate(staging_plan.manifest)
+        return self._stage_plan(staging_plan, producers, lease=lease)
 
     def _stage_plan(
         self,
@@ -382,6 +403,9 @@ class ShmStager(*_bases):  # type: ignore[misc]
         staged = None
         try:
             copies = self._start_copies(staging_plan, slot, producers)
+            # What the copies did not need checked first, checked while they run.
+            if staging_plan.recheck is not None and (reason := staging_plan.recheck()) is not None:
+                raise _Relayout(reason)
             if not lease:  # building the staged tensors overlaps with the copies
                 with layout.gc_paused():
                     staged = rebuild(manifest, slot.base, slot.offset)
@@ -438,6 +462,14 @@ class ShmStager(*_bases):  # type: ignore[misc]
         else:
             stream.wait_event(producers[device])
         return stream
+
+
+class _Relayout(Exception):
+    """A reused plan's recheck failed after its copies started: plan in full and stage again."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 def _gather_into(slot: Slot, source: torch.Tensor, offset: int) -> None:

@@ -1779,6 +1779,39 @@ def test_every_change_of_layout_is_planned_in_full(change):
     assert_plans_equal(again, layout.plan(state))
 
 
+@pytest.mark.parametrize("change", list(CHANGES), ids=list(CHANGES))
+def test_with_deferred_flags_every_change_is_planned_in_full_or_caught_by_the_recheck(change):
+    state = base_state()
+    planner = layout.Planner()
+    planner.plan(state, defer_flags=True)
+    CHANGES[change](state)
+    try:
+        want = layout.plan(state)
+    except UnsupportedValueError:
+        with pytest.raises(UnsupportedValueError):
+            planner.plan(state, defer_flags=True)
+        return
+    got = planner.plan(state, defer_flags=True)
+    if planner.stats.reuses:  # only a flag may differ, and the recheck must say so
+        check(got.recheck is not None, "a reused plan without its recheck")
+        reason = got.recheck()
+        check(reason is not None, "the recheck missed the change")
+        got = planner.replan(state, reason)
+        same(planner.stats.last_replan, reason, "reason of the replan")
+    same((planner.stats.plans, planner.stats.reuses), (2, 0), "plans, reuses")
+    assert_plans_equal(got, want)
+
+
+def test_a_deferred_recheck_of_an_unchanged_state_dict_passes():
+    state = base_state()
+    planner = layout.Planner()
+    check(planner.plan(state, defer_flags=True).recheck is None, "a full plan has nothing to recheck")
+    again = planner.plan(state, defer_flags=True)
+    same(planner.stats.reuses, 1, "reuses")
+    same(again.recheck(), None, "recheck")
+    assert_plans_equal(again, layout.plan(state))
+
+
 def test_same_layout_after_a_change_of_storage_is_reused():
     state = base_state()
     planner = layout.Planner()

@@ -22,7 +22,7 @@ from pyshmckpt import (
     UnsupportedValueError,
 )
 from pyshmckpt.staging import stager as stager_module
-from pyshmckpt.staging.manifest import build
+from pyshmckpt.staging.manifest import build, rebuild
 
 from helpers import wait_until
 
@@ -454,6 +454,45 @@ def test_a_changed_layout_is_planned_in_full_with_a_new_layout_key(stager):
     assert (stager.plan_stats.plans, stager.plan_stats.reuses) == (2, 0)
     assert stager.handle(staged).manifest.layout_key != key
     assert torch.equal(staged["w"], sd["w"])
+
+
+def _requires_grad(sd: dict) -> None:
+    sd["w"].requires_grad_(True)
+
+
+def _lazy_conjugate(sd: dict) -> None:
+    sd["z"] = sd["z"].conj()
+
+
+def _lazy_negation(sd: dict) -> None:
+    sd["z"] = torch._neg_view(sd["z"])
+
+
+@pytest.mark.parametrize("lease", [False, True], ids=["stage", "stage_leased"])
+@pytest.mark.parametrize("change", [_requires_grad, _lazy_conjugate, _lazy_negation])
+def test_a_flag_changed_after_reuse_is_caught_while_copying_and_staged_in_full(stager, change, lease):
+    # The copies of a reused plan start before the tensors' flags are checked: a changed flag
+    # abandons them and stages again from a full plan, so the result is the state of the moment.
+    sd = {"w": torch.randn(4, 4), "z": torch.randn(3, dtype=torch.complex64), "n": torch.ones(2)}
+    stager.stage_leased(sd).give_back()
+    stager.stage_leased(sd).give_back()
+    change(sd)
+    if lease:
+        handle = stager.stage_leased(sd)
+        staged = rebuild(handle.manifest, handle.slot.base, handle.slot.offset)
+    else:
+        staged = stager.stage(sd)
+    stats = stager.plan_stats
+    assert (stats.plans, stats.reuses) == (2, 1)
+    assert "requires_grad or lazy conj/neg bit changed" in stats.last_replan
+    assert staged["w"].requires_grad == sd["w"].requires_grad
+    for key in sd:
+        assert torch.equal(staged[key].detach(), sd[key].detach()), key
+    if lease:
+        handle.give_back()
+    # The flags of the moment are those of the layout reused next.
+    stager.stage_leased(sd).give_back()
+    assert (stager.plan_stats.plans, stager.plan_stats.reuses) == (2, 2)
 
 
 def test_stage_leased_reuses_layouts_too(stager):
