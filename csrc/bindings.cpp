@@ -153,13 +153,21 @@ mapping, writable and zero-copy; the mapping stays valid while any exported view
           "(with populate=False only the header's: fault the rest in with `populate`).")
       .def_static(
           "attach",
-          [](const std::string& name, std::size_t size, const py::bytes& token) {
+          [](const std::string& name, std::size_t size, const py::bytes& token, bool map_pages) {
             std::string raw = token;
             py::gil_scoped_release release;
-            return std::make_unique<Segment>(Segment::attach(name, size, raw));
+            return std::make_unique<Segment>(Segment::attach(name, size, raw, map_pages));
           },
-          py::arg("name"), py::arg("size"), py::arg("token"),
-          "Map an existing segment after checking owner, permissions, size, header and token.")
+          py::arg("name"), py::arg("size"), py::arg("token"), py::arg("map_pages") = true,
+          "Map an existing segment after checking owner, permissions, size, header and token\n"
+          "(every page at once; with map_pages=False on first access or by map_pages_for_reading).")
+      .def(
+          "map_pages_for_reading",
+          [](Segment& self) {
+            py::gil_scoped_release release;
+            self.map_pages_for_reading();
+          },
+          "Map every page for reading now, so that reading the segment takes no page fault.")
       .def_property_readonly("name", &Segment::name)
       .def_property_readonly("size", &Segment::size)
       .def_property_readonly("mapped_size", &Segment::mapped_size)

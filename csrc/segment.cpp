@@ -20,6 +20,9 @@
 #include "pinning.h"
 #include "thread_pool.h"
 
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
@@ -184,7 +187,8 @@ Segment Segment::create(std::size_t size, const std::string& prefix, bool popula
   return seg;
 }
 
-Segment Segment::attach(const std::string& name, std::size_t size, const std::string& token) {
+Segment Segment::attach(const std::string& name, std::size_t size, const std::string& token,
+                        bool map_pages) {
   if (token.size() != kTokenSize) {
     throw ArgumentError("segment token must be " + std::to_string(kTokenSize) + " bytes");
   }
@@ -216,8 +220,8 @@ Segment Segment::attach(const std::string& name, std::size_t size, const std::st
   }
   // MAP_POPULATE: the creator allocated every page; map them all now, once, so that the
   // attaching process (the writer) takes no page fault when it reads a slot, on any save.
-  void* base =
-      mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, seg.fd_, 0);
+  void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE,
+                    MAP_SHARED | (map_pages ? MAP_POPULATE : 0), seg.fd_, 0);
   if (base == MAP_FAILED) throw_errno("mmap", seg.name_);
   seg.base_ = static_cast<std::uint8_t*>(base);
   seg.size_ = size;
@@ -231,6 +235,18 @@ Segment Segment::attach(const std::string& name, std::size_t size, const std::st
     throw ArgumentError("segment '" + seg.name_ + "' token does not match");
   }
   return seg;
+}
+
+void Segment::map_pages_for_reading() {
+  if (closed()) throw ArgumentError("segment '" + name_ + "' is closed");
+  const std::size_t length = mapped_size();
+  if (madvise(base_, length, MADV_POPULATE_READ) == 0) return;
+  if (errno != EINVAL) throw_errno("madvise(MADV_POPULATE_READ)", name_);
+  // Kernels before 5.14: read one byte of each page.
+  const std::size_t page = page_size();
+  for (std::size_t off = 0; off < length; off += page) {
+    (void)*static_cast<volatile const std::uint8_t*>(base_ + off);
+  }
 }
 
 Segment::Segment(Segment&& other) noexcept { *this = std::move(other); }

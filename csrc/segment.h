@@ -32,8 +32,15 @@ class Segment {
   // populate=false leaves the data pages to be faulted in later (see populate_pages).
   static Segment create(std::size_t size, const std::string& prefix, bool populate = true);
   // Maps an existing segment. Checks that the caller's uid owns it, that it is not accessible to
-  // others, that its size and header match, and that its token equals `token`.
-  static Segment attach(const std::string& name, std::size_t size, const std::string& token);
+  // others, that its size and header match, and that its token equals `token`. With
+  // map_pages=true every page is mapped now (MAP_POPULATE), else on first access or by
+  // map_pages_for_reading().
+  static Segment attach(const std::string& name, std::size_t size, const std::string& token,
+                        bool map_pages = true);
+  // Maps every page of an attached segment for reading (MADV_POPULATE_READ; on kernels before
+  // 5.14 by reading one byte per page), so that reading it takes no page fault. Pages the owner
+  // has not allocated yet are mapped as they are (as a read would).
+  void map_pages_for_reading();
 
   Segment(Segment&& other) noexcept;
   Segment& operator=(Segment&& other) noexcept;

@@ -62,10 +62,17 @@ class SlotMapping:
 
 
 class AttachedSegments:
-    """Segments the writer has mapped, by name, and every name it was told of (for cleanup)."""
+    """Segments the writer has mapped, by name, and every name it was told of (for cleanup).
+
+    A segment is attached when the trainer first describes it, and its pages are mapped when a
+    write first reads it (`slot`), once: steady-state writes take no page fault, and the first
+    write waits for its own slot's pages only, not for every slot of the arena (which may not
+    even be filled yet, see Arena).
+    """
 
     def __init__(self) -> None:
         self._segments: dict[str, Segment] = {}
+        self._mapped: set[str] = set()  # segments whose pages are all mapped
         self._known: set[str] = set()
         # Reentrant: the parent-death signal handler runs on the main thread and may interrupt
         # it while it already holds the lock (in unlink_all on channel EOF).
@@ -81,10 +88,11 @@ class AttachedSegments:
             for name in list(self._segments):
                 if name not in names:
                     self._segments.pop(name).close()
+                    self._mapped.discard(name)
             for name, size, token in described:
                 if name not in self._segments:
                     try:
-                        segment = Segment.attach(name, size, token)
+                        segment = Segment.attach(name, size, token, map_pages=False)
                     except OSError as exc:
                         raise from_os_error(exc, f"cannot attach slot {name}") from exc
                     self._segments[name] = segment
@@ -100,9 +108,18 @@ class AttachedSegments:
             return set(self._segments)
 
     def slot(self, address: SlotAddress) -> SlotMapping:
-        """The mapping of an attached slot."""
+        """The mapping of an attached slot, its pages all mapped."""
         with self._lock:
-            return SlotMapping(self._segments[address.name], address.offset)
+            segment = self._segments[address.name]
+            if address.name not in self._mapped:
+                try:
+                    segment.map_pages_for_reading()
+                except OSError as exc:
+                    raise from_os_error(
+                        exc, f"cannot map the pages of slot {address.name}"
+                    ) from exc
+                self._mapped.add(address.name)
+            return SlotMapping(segment, address.offset)
 
     def unlink_all(self) -> None:
         """The trainer is gone: remove its segments so nothing is left in /dev/shm."""

@@ -14,6 +14,7 @@ import mmap
 import multiprocessing
 import os
 import re
+import resource
 import stat
 import struct
 from collections.abc import Callable, Iterator
@@ -397,6 +398,37 @@ def test_attach_in_same_process_shares_memory():
         assert shm_file(owner).exists()
         assert contents(owner)[-3:] == b"end"
     assert not shm_file(owner).exists()
+
+
+def minor_faults_reading(segment) -> int:
+    """Minor page faults this process takes to read one byte of every page of `segment`."""
+    with memoryview(segment) as view:
+        pages = np.frombuffer(view, dtype=np.uint8)[::PAGE]
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        int(pages.sum())  # reads one byte per page
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        del pages
+    return after - before
+
+
+def test_attach_maps_pages_at_once_or_when_asked():
+    # A read fault maps up to 16 pages here (the kernel's fault-around): a lazy mapping takes at
+    # least one fault per 32 pages, a mapped one next to none.
+    pages = 4096
+    with _C.Segment.create(pages * PAGE) as owner:
+        fill_random(owner, seed=3)
+        with _C.Segment.attach(owner.name, owner.size, owner.token) as eager:
+            assert minor_faults_reading(eager) < pages // 128
+        with _C.Segment.attach(owner.name, owner.size, owner.token, map_pages=False) as lazy:
+            assert minor_faults_reading(lazy) >= pages // 32
+        with _C.Segment.attach(owner.name, owner.size, owner.token, map_pages=False) as lazy:
+            lazy.map_pages_for_reading()
+            assert minor_faults_reading(lazy) < pages // 128
+            assert contents(lazy) == contents(owner)
+        closed = _C.Segment.attach(owner.name, owner.size, owner.token, map_pages=False)
+        closed.close()
+        with pytest.raises(ValueError, match="closed"):
+            closed.map_pages_for_reading()
 
 
 def test_attach_accepts_leading_slash():

@@ -1805,7 +1805,9 @@ def test_with_deferred_flags_every_change_is_planned_in_full_or_caught_by_the_re
 def test_a_deferred_recheck_of_an_unchanged_state_dict_passes():
     state = base_state()
     planner = layout.Planner()
-    check(planner.plan(state, defer_flags=True).recheck is None, "a full plan has nothing to recheck")
+    check(
+        planner.plan(state, defer_flags=True).recheck is None, "a full plan has nothing to recheck"
+    )
     again = planner.plan(state, defer_flags=True)
     same(planner.stats.reuses, 1, "reuses")
     same(again.recheck(), None, "recheck")

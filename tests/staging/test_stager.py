@@ -470,7 +470,9 @@ def _lazy_negation(sd: dict) -> None:
 
 @pytest.mark.parametrize("lease", [False, True], ids=["stage", "stage_leased"])
 @pytest.mark.parametrize("change", [_requires_grad, _lazy_conjugate, _lazy_negation])
-def test_a_flag_changed_after_reuse_is_caught_while_copying_and_staged_in_full(stager, change, lease):
+def test_a_flag_changed_after_reuse_is_caught_while_copying_and_staged_in_full(
+    stager, change, lease
+):
     # The copies of a reused plan start before the tensors' flags are checked: a changed flag
     # abandons them and stages again from a full plan, so the result is the state of the moment.
     sd = {"w": torch.randn(4, 4), "z": torch.randn(3, dtype=torch.complex64), "n": torch.ones(2)}

@@ -1,0 +1,47 @@
+"""AttachedSegments: the writer's mappings of the trainer's slots."""
+
+from __future__ import annotations
+
+import resource
+
+import numpy as np
+
+from pyshmckpt.shm import Arena, AttachedSegments
+
+PAGE = 4096
+
+
+def faults_reading(view: memoryview) -> int:
+    """Minor page faults taken to read one byte of every page of `view`."""
+    pages = np.frombuffer(view, dtype=np.uint8)[::PAGE]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    int(pages.sum())
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    return after - before
+
+
+def test_a_slot_is_read_without_page_faults_and_others_wait_for_their_first_write():
+    arena = Arena(16 << 20, 2)
+    attached = AttachedSegments()
+    try:
+        described = [(s.name, int(s.segment.size), bytes(s.segment.token)) for s in arena.slots]
+        attached.sync(described)
+        pages = int(arena.slots[0].segment.mapped_size) // PAGE
+        first = attached.slot(arena.slots[0].address())
+        view = first.memoryview()
+        try:
+            assert faults_reading(view) < pages // 128  # mapped by its first write, once
+        finally:
+            view.release()
+        assert attached.names() == {s.name for s in arena.slots}
+        # Slot 1 is attached but not mapped until a write reads it (a read fault maps up to 16
+        # pages here, so at least one fault per 32 pages).
+        second = attached._segments[arena.slots[1].name]
+        view = memoryview(second)
+        try:
+            assert faults_reading(view) >= pages // 32
+        finally:
+            view.release()
+    finally:
+        attached.sync([])
+        arena.close()
