@@ -490,15 +490,15 @@ Signature = tuple[list[Any], ...]
 _SIGNATURE_GETTERS = (
     operator.attrgetter("dtype"),
     operator.attrgetter("shape"),
-    torch._C.TensorBase.stride,
-    torch._C.TensorBase.storage_offset,
+    torch.Tensor.stride,
+    torch.Tensor.storage_offset,
     operator.attrgetter("device"),
 )
 _FLAG_GETTERS = (
     operator.attrgetter("layout"),
     operator.attrgetter("requires_grad"),
-    torch._C.TensorBase.is_conj,
-    torch._C.TensorBase.is_neg,
+    torch.Tensor.is_conj,
+    torch.Tensor.is_neg,
 )
 
 
@@ -849,7 +849,7 @@ def _reuse(template: _Template, state_dict: Any, defer_flags: bool = False) -> S
             raise _Mismatch("a DTensor's placement changed")
     # Storage addresses, element 0 less its offset (cheaper than untyped_storage()). Tensors that
     # shared a storage must still share one, and no two blocks may now share one.
-    pointers = np.fromiter(map(torch._C.TensorBase.data_ptr, tensors), dtype=np.uint64, count=n)
+    pointers = np.fromiter(map(torch.Tensor.data_ptr, tensors), dtype=np.uint64, count=n)
     storage = pointers - template.start
     block_storage = storage[template.block_first]
     if not np.array_equal(storage[template.member], block_storage[template.member_block]):
