@@ -43,7 +43,8 @@ there ``latest`` moves only at ``close()``. A tag is written file by file: savin
 ``save_latest``, the default) to the tag ``latest`` names, or to one still being written, raises
 `NotSupportedError` (use a new tag, such as DeepSpeed's default ``global_step<N>``). DeepSpeed
 finds a tag's model files by listing its directory, and a file appears there once durable:
-before ``engine.load_checkpoint`` of a tag this process has just saved, call ``wait()``.
+before ``engine.load_checkpoint`` of a tag just saved, call ``wait()`` on every rank (it waits
+for every rank's files: each rank loads the model file rank 0 wrote).
 DeepSpeed tells a checkpoint engine nothing when ``save_checkpoint`` raises half-way: a program
 that catches that and trains on should not rely on ``latest`` naming a complete tag.
 """
@@ -311,12 +312,23 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
             self._destroy_group()
 
     def wait(self) -> None:
-        """Wait (up to commit_timeout) until every file handed over so far is written or failed,
-        for instance before ``engine.load_checkpoint`` of a tag this process just saved (DeepSpeed
-        finds the model files by listing the directory). Failures and ``latest`` are still
-        DeepSpeed's next step's (or close()'s) to settle and move."""
-        for tag in list(self._tags):
-            self._wait(tag)
+        """Wait until every file handed over so far, on every rank, is written or failed, for
+        instance before ``engine.load_checkpoint`` of a tag just saved: DeepSpeed finds the model
+        files by listing the tag's directory, and every rank loads ``mp_rank_00_model_states.pt``,
+        which rank 0 writes. Call it on every rank, like ``engine.load_checkpoint`` (with several
+        ranks it is a collective call: the ranks agree through this engine's group).
+
+        Each rank waits up to commit_timeout for its own writes; raises `CommitTimeoutError` on
+        every rank when some rank's were still being written then. Failures and ``latest`` are
+        still DeepSpeed's next step's (or close()'s) to settle and move."""
+        pending = {id(f): f for f in self._writes.values() if not f.done()}
+        pending.update((id(f), f) for tag in self._tags for _, f in tag.writes if not f.done())
+        _, undone = concurrent.futures.wait(list(pending.values()), timeout=self.commit_timeout)
+        if self._agree([len(undone)], "whether every file handed over is written")[0]:
+            where = f"{len(undone)} on this rank" if undone else "some on another rank"
+            raise CommitTimeoutError(
+                f"files still being written after {self.commit_timeout:g} s ({where})"
+            )
 
     # -- internals --------------------------------------------------------------------------
 

@@ -8,7 +8,10 @@ CPU with gloo, checkpoints through pyshmckpt's ShmCheckpointEngine.
                       files (names, and torch.load contents); loading ours back (into the same
                       engine through ShmCheckpointEngine, and into a fresh one, another seed,
                       through DeepSpeed's default engine) trains on bitwise like the
-                      uninterrupted run; save_16bit_model's file is complete when it returns
+                      uninterrupted run; save_16bit_model's file is complete when it returns.
+                      Rank 0's writer finishes starting late, so its spooled files of step 3
+                      (the model file every rank loads among them) are durable well after the
+                      other ranks' files: wait() on every rank waits for every rank's files
     commit            the last rank's writer is slow: no step waits for it, `latest` never names
                       the tag before every rank's files are durable, then it does; load() of a
                       file being written waits for it; saving again to the tag `latest` names or
@@ -45,6 +48,7 @@ from pyshmckpt.integrations.deepspeed import use_pyshmckpt  # noqa: E402
 from pyshmckpt.storage import TorchFileWriter  # noqa: E402
 
 SLOW_WRITE_SECONDS = 1.5  # how long the slow writer sleeps before each file
+LATE_START_SECONDS = 3.0  # how much later than the others rank 0's writer is ready in resume*
 BOUND = 30.0  # seconds any wait below may take (also the engines' commit_timeout)
 
 
@@ -56,6 +60,16 @@ class SlowTorchFileWriter(TorchFileWriter):
         if Path(file.name).parent.name.startswith("slow-"):
             time.sleep(SLOW_WRITE_SECONDS)
         super().serialize(state_dict, file)
+
+
+class LateTorchFileWriter(TorchFileWriter):
+    """The default writer, built LATE_START_SECONDS late in rank 0's writer process: the files
+    that rank saves while its writer starts are spooled, and written that much later."""
+
+    def __init__(self, rank_info: Any = None) -> None:
+        super().__init__(rank_info)
+        if rank_info is not None and rank_info.global_rank == 0:
+            time.sleep(LATE_START_SECONDS)
 
 
 def check(ok: bool, message: str) -> None:
@@ -174,7 +188,7 @@ def resume(out: Path, stage: int) -> None:
     engine = build(stage, seed=0)
     torch_engine = engine.checkpoint_engine  # DeepSpeed's default: TorchCheckpointEngine
     check(type(torch_engine).__name__ == "TorchCheckpointEngine", f"{type(torch_engine)}")
-    shm_engine = ours(engine)
+    shm_engine = ours(engine, LateTorchFileWriter)
     train(engine, 3)
     engine.save_checkpoint(str(root / "ours"), tag="step3")
     engine.checkpoint_engine = torch_engine
@@ -189,7 +203,8 @@ def resume(out: Path, stage: int) -> None:
         difference = same(exported, engine.module_state_dict())
         check(difference is None, f"save_16bit_model wrote other values: {difference}")
     # Back to step 3 through ShmCheckpointEngine, in this engine: wait() first, as DeepSpeed
-    # lists the tag's directory, where a file appears once durable.
+    # lists the tag's directory, where a file appears once durable, and every rank loads the
+    # model file rank 0 (whose writer started late) writes.
     shm_engine.wait()
     resume_bitwise(engine, root / "ours", reference, "ShmCheckpointEngine", tag="step3")
     engine.destroy()  # closes shm_engine: every write done, `latest` final
