@@ -147,9 +147,7 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         ):
             raise ConfigError(f"commit_timeout must be a positive number, not {commit_timeout!r}")
         self.commit_timeout = float(commit_timeout)
-        process_config = (
-            CheckpointProcessConfig() if config is None else CheckpointProcessConfig.of(config)
-        )
+        process_config = CheckpointProcessConfig.starting_in_background(config)
         initialized = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if initialized else 0
         self.world_size = dist.get_world_size() if initialized else 1
