@@ -26,6 +26,9 @@ std::array<std::uint32_t, 256> make_table() {
   return table;
 }
 
+std::uint32_t multiply_mod_p(std::uint32_t a, std::uint32_t b) noexcept;
+std::uint32_t power_of_bytes(std::uint64_t nbytes) noexcept;
+
 std::uint32_t crc32c_software(const std::uint8_t* p, std::size_t n, std::uint32_t c) noexcept {
   static const std::array<std::uint32_t, 256> table = make_table();
   for (std::size_t i = 0; i < n; ++i) c = table[(c ^ p[i]) & 0xFF] ^ (c >> 8);
@@ -33,8 +36,33 @@ std::uint32_t crc32c_software(const std::uint8_t* p, std::size_t n, std::uint32_
 }
 
 #if defined(PYSHMCKPT_CRC_X86)
+// Bytes per lane of the three-lane loop: one crc32 instruction takes 3 cycles but a new one can
+// start every cycle, so three independent lanes run about three times as fast as one chain.
+constexpr std::size_t kLane = 16u << 10;
+
 __attribute__((target("sse4.2"))) std::uint32_t crc32c_hw(const std::uint8_t* p, std::size_t n,
                                                           std::uint32_t c) noexcept {
+  if (n >= 3 * kLane) {
+    // The register after A followed by B, from state s: shift(crc(A from s), |B|) ^ crc(B from 0).
+    static const std::uint32_t shift1 = power_of_bytes(kLane);
+    static const std::uint32_t shift2 = power_of_bytes(2 * kLane);
+    do {
+      std::uint64_t a = c, b = 0, d = 0;
+      for (std::size_t i = 0; i < kLane; i += 8) {
+        std::uint64_t va, vb, vd;
+        std::memcpy(&va, p + i, 8);
+        std::memcpy(&vb, p + kLane + i, 8);
+        std::memcpy(&vd, p + 2 * kLane + i, 8);
+        a = _mm_crc32_u64(a, va);
+        b = _mm_crc32_u64(b, vb);
+        d = _mm_crc32_u64(d, vd);
+      }
+      c = multiply_mod_p(shift2, static_cast<std::uint32_t>(a)) ^
+          multiply_mod_p(shift1, static_cast<std::uint32_t>(b)) ^ static_cast<std::uint32_t>(d);
+      p += 3 * kLane;
+      n -= 3 * kLane;
+    } while (n >= 3 * kLane);
+  }
   std::uint64_t c64 = c;
   while (n >= 8) {
     std::uint64_t v;
@@ -94,16 +122,21 @@ std::array<std::uint32_t, 72> make_powers() {
   return powers;
 }
 
+// x^(8 * nbytes) modulo the polynomial: multiplying a CRC register by it appends nbytes zeros.
+std::uint32_t power_of_bytes(std::uint64_t nbytes) noexcept {
+  static const std::array<std::uint32_t, 72> powers = make_powers();
+  std::uint32_t shift = 1u << 31;  // x^0
+  unsigned k = 3;                  // 8 bits a byte
+  for (std::uint64_t n = nbytes; n != 0; n >>= 1, ++k) {
+    if (n & 1) shift = multiply_mod_p(powers[k], shift);
+  }
+  return shift;
+}
+
 }  // namespace
 
 std::uint32_t crc32c_combine(std::uint32_t crc_a, std::uint32_t crc_b, std::uint64_t len_b) noexcept {
-  static const std::array<std::uint32_t, 72> powers = make_powers();
-  std::uint32_t shift = 1u << 31;  // x^0; becomes x^(8 * len_b)
-  unsigned k = 3;                  // 8 bits a byte
-  for (std::uint64_t n = len_b; n != 0; n >>= 1, ++k) {
-    if (n & 1) shift = multiply_mod_p(powers[k], shift);
-  }
-  return multiply_mod_p(shift, crc_a) ^ crc_b;
+  return multiply_mod_p(power_of_bytes(len_b), crc_a) ^ crc_b;
 }
 
 bool crc32c_hardware() noexcept {
