@@ -218,8 +218,8 @@ Segment Segment::attach(const std::string& name, std::size_t size, const std::st
                                            : 0) +
                         " data bytes, expected " + std::to_string(size));
   }
-  // MAP_POPULATE: the creator allocated every page; map them all now, once, so that the
-  // attaching process (the writer) takes no page fault when it reads a slot, on any save.
+  // MAP_POPULATE (map_pages): the creator allocated every page; map them all now, once, so that
+  // the attaching process takes no page fault when it reads them, on any save.
   void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE,
                     MAP_SHARED | (map_pages ? MAP_POPULATE : 0), seg.fd_, 0);
   if (base == MAP_FAILED) throw_errno("mmap", seg.name_);
@@ -238,7 +238,7 @@ Segment Segment::attach(const std::string& name, std::size_t size, const std::st
 }
 
 void Segment::map_pages_for_reading() {
-  if (closed()) throw ArgumentError("segment '" + name_ + "' is closed");
+  require_open("map_pages_for_reading");
   const std::size_t length = mapped_size();
   if (madvise(base_, length, MADV_POPULATE_READ) == 0) return;
   if (errno != EINVAL) throw_errno("madvise(MADV_POPULATE_READ)", name_);

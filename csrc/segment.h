@@ -38,8 +38,8 @@ class Segment {
   static Segment attach(const std::string& name, std::size_t size, const std::string& token,
                         bool map_pages = true);
   // Maps every page of an attached segment for reading (MADV_POPULATE_READ; on kernels before
-  // 5.14 by reading one byte per page), so that reading it takes no page fault. Pages the owner
-  // has not allocated yet are mapped as they are (as a read would).
+  // 5.14 by reading one byte per page), so that reading it takes no page fault. Meant for pages
+  // the owner has allocated: a page it has not is allocated (zeroed) by this, as by a read.
   void map_pages_for_reading();
 
   Segment(Segment&& other) noexcept;

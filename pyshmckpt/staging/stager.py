@@ -214,7 +214,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
         """
         self._check_open()
         # Validation first: nothing is staged for bad input.
-        staging_plan = self._plan(state_dict)
+        staging_plan = self._plan(state_dict, defer_flags=self._executor is None)
         if self._executor is None:
             return self._staged(state_dict, staging_plan, None)
         events = self._record_producers(staging_plan)
@@ -251,7 +251,9 @@ class ShmStager(*_bases):  # type: ignore[misc]
         """Stage `state_dict` into a slot of its own and lease it: no staged copy is handed out,
         and giving the handle back frees the slot. Blocking, whatever `async_staging` says."""
         self._check_open()
-        slot, _ = self._stage(state_dict, self._plan(state_dict), None, lease=True)
+        slot, _ = self._stage(
+            state_dict, self._plan(state_dict, defer_flags=True), None, lease=True
+        )
         return StagedHandle(self, slot, leased=True, owned=True)
 
     def _slot_of(self, staged: Any) -> Slot | None:
@@ -353,8 +355,14 @@ class ShmStager(*_bases):  # type: ignore[misc]
                 self._arenas.remove(arena)
                 logger.debug("retired arena %s", arena.name)
 
-    def _plan(self, state_dict: Any) -> layout.StagingPlan:
-        staging_plan = self._planner.plan(state_dict, defer_flags=True)
+    def _plan(self, state_dict: Any, *, defer_flags: bool) -> layout.StagingPlan:
+        """Plan (and validate) `state_dict`. `defer_flags` lets a reused plan's flags be checked
+        while its copies run, on the caller's thread: not for an asynchronous stage (whose
+        copies run after stage() returned, when the caller may be changing the state dict), nor
+        with a validator (it must see the flags of the moment)."""
+        staging_plan = self._planner.plan(
+            state_dict, defer_flags=defer_flags and self._validate is None
+        )
         if self._validate is not None:
             self._validate(staging_plan.manifest)
         return staging_plan

@@ -21,7 +21,7 @@ def faults_reading(view: memoryview) -> int:
 
 
 def test_a_slot_is_read_without_page_faults_and_others_wait_for_their_first_write():
-    arena = Arena(16 << 20, 2)
+    arena = Arena(32 << 20, 2)
     attached = AttachedSegments()
     try:
         described = [(s.name, int(s.segment.size), bytes(s.segment.token)) for s in arena.slots]
@@ -30,16 +30,16 @@ def test_a_slot_is_read_without_page_faults_and_others_wait_for_their_first_writ
         first = attached.slot(arena.slots[0].address())
         view = first.memoryview()
         try:
-            assert faults_reading(view) < pages // 128  # mapped by its first write, once
+            assert faults_reading(view) < pages // 1024  # mapped by its first write, once
         finally:
             view.release()
         assert attached.names() == {s.name for s in arena.slots}
         # Slot 1 is attached but not mapped until a write reads it (a read fault maps up to 16
-        # pages here, so at least one fault per 32 pages).
+        # pages here, 512 with huge pages in shared memory).
         second = attached._segments[arena.slots[1].name]
         view = memoryview(second)
         try:
-            assert faults_reading(view) >= pages // 32
+            assert faults_reading(view) >= pages // 512
         finally:
             view.release()
     finally:

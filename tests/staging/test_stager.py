@@ -497,6 +497,21 @@ def test_a_flag_changed_after_reuse_is_caught_while_copying_and_staged_in_full(
     assert (stager.plan_stats.plans, stager.plan_stats.reuses) == (2, 2)
 
 
+def test_an_async_stage_checks_the_flags_before_returning():
+    # An asynchronous stage copies after stage() returned, while the caller may change the state
+    # dict: its plan is checked in full (flags included) in stage(), never on the stage thread.
+    with ShmStager(async_staging=True, slot_timeout=5) as s:
+        sd = {"w": torch.randn(4, 4), "n": torch.ones(2)}
+        for _ in range(2):
+            s.stage(sd).result()
+        sd["w"].requires_grad_(True)
+        staged = s.stage(sd).result()
+        assert (s.plan_stats.plans, s.plan_stats.reuses) == (2, 1)
+        assert "requires_grad" in s.plan_stats.last_replan
+        assert staged["w"].requires_grad
+        assert torch.equal(staged["w"].detach(), sd["w"].detach())
+
+
 def test_stage_leased_reuses_layouts_too(stager):
     sd = state()
     for step in range(3):
