@@ -64,6 +64,19 @@ def proc_state(pid: int) -> str | None:
     return stat[stat.rfind(")") + 2]
 
 
+def thread_waits(pid: int) -> str:
+    """Each thread of `pid` with the kernel function it sleeps in (for a failure's message)."""
+    out = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            comm = (task / "comm").read_text().strip()
+            wchan = (task / "wchan").read_text().strip()
+        except OSError:
+            continue
+        out.append(f"{comm}:{wchan}")
+    return ", ".join(out)
+
+
 def pid_running(pid: int) -> bool:
     return proc_state(pid) not in (None, "Z", "X")
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import itertools
 import logging
 import os
 import select
@@ -110,7 +111,10 @@ class _TrainerWatch:
         self.spool = SpoolReader(None) if spool is None else spool
         self.dead = threading.Event()
         self.wake_r, self._wake_w = os.pipe()
-        self._lock = threading.Lock()
+        # Who noticed first: next() on it is one C call, which neither another thread nor the
+        # parent-death signal handler can interrupt. (A lock deadlocked when that handler ran on
+        # the main thread while the main thread held it, on the channel-EOF path.)
+        self._notices = itertools.count()
         self._busy_since: float | None = None  # a write in progress, since
         self._progress = time.monotonic()
 
@@ -118,11 +122,11 @@ class _TrainerWatch:
         return os.getppid() != self.parent_pid
 
     def died(self) -> None:
-        """The trainer is gone (called from the watch thread, the signal handler or the loop)."""
-        with self._lock:
-            if self.dead.is_set():
-                return
-            self.dead.set()
+        """The trainer is gone (called from the watch thread, the signal handler or the loop;
+        only the first call acts)."""
+        if next(self._notices):
+            return
+        self.dead.set()
         if not self.policy.finish:
             self.exit(1)
         logs.to_stderr()

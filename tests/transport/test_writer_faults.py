@@ -54,6 +54,7 @@ from helpers import (
     failure_of,
     pid_running,
     proc_state,
+    thread_waits,
     wait_until,
 )
 
@@ -873,7 +874,8 @@ def test_sigkill_of_the_trainer_stops_the_writer_and_removes_the_segments(tmp_pa
         except AssertionError as exc:
             left = [name for name in segments if (SHM / name).exists()]
             raise AssertionError(
-                f"{exc}: writer state {proc_state(writer_pid)!r}, segments left {left}"
+                f"{exc}: writer state {proc_state(writer_pid)!r}, segments left {left}, "
+                f"threads {thread_waits(writer_pid)}"
             ) from None
     finally:
         if trainer.poll() is None:
@@ -951,6 +953,48 @@ def test_parent_death_signal_during_unlink_all_does_not_deadlock(tmp_path):
             parent.wait(10)
         kill_quietly(child)
         (SHM / name).unlink(missing_ok=True)
+
+
+NOTICER = textwrap.dedent(
+    """
+    import os, signal
+
+    from pyshmckpt.shm import AttachedSegments
+    from pyshmckpt.transport.child import OrphanPolicy, _TrainerWatch
+
+    watch = _TrainerWatch(os.getppid(), OrphanPolicy(finish=True), AttachedSegments())
+    watch.arm()
+    watch.parent_pid = -1  # the trainer is "gone": the parent-death handler acts on its signal
+    real_set = watch.dead.set
+
+
+    def set_then_signal():
+        # The parent-death signal arrives while the main thread is inside died(), as when the
+        # channel's EOF and the trainer's death come together: its handler runs right here.
+        real_set()
+        os.kill(os.getpid(), signal.SIGUSR2)
+
+
+    watch.dead.set = set_then_signal
+    watch.died()  # the main thread's own notice (the channel-EOF path)
+    print("noticed once", flush=True)
+    """
+)
+
+
+def test_the_parent_death_signal_inside_died_does_not_deadlock(tmp_path):
+    """The writer's main thread notices the trainer's death (channel EOF) while the parent-death
+    signal's handler, which runs on that same thread, notices it too: only one acts, neither
+    waits for the other. (With a lock around the notice the handler waited for its own thread
+    forever: a writer left sleeping with the trainer's segments, seen once in CI.)"""
+    script = tmp_path / "noticer.py"
+    script.write_text(NOTICER)
+    done = subprocess.run(
+        [sys.executable, str(script)], env=child_env(), capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "noticed once"
+    assert done.stderr.count("is gone: finishing the writes") == 1, done.stderr
 
 
 def _make_orphan_segment(prefix: str) -> str:
