@@ -401,12 +401,13 @@ def test_attach_in_same_process_shares_memory():
 
 
 def minor_faults_reading(segment) -> int:
-    """Minor page faults this process takes to read one byte of every page of `segment`."""
+    """Minor page faults this thread takes to read one byte of every page of `segment` (this
+    thread's only: other threads of a test worker fault pages in meanwhile)."""
     with memoryview(segment) as view:
         pages = np.frombuffer(view, dtype=np.uint8)[::PAGE]
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
         int(pages.sum())  # reads one byte per page
-        after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        after = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
         del pages
     return after - before
 
