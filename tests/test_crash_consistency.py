@@ -44,6 +44,7 @@ from helpers import (
     names_in,
     opened,
     pid_running,
+    thread_waits,
     visible,
     wait_until,
 )
@@ -287,7 +288,10 @@ def run_and_kill(
         assert trainer.returncode == -signal.SIGKILL
         # An orphaned writer notices (pidfd, pipe EOF, parent-death signal) and exits.
         writer_gone = lambda: not pid_running(writer_pid)  # noqa: E731
-        wait_until(writer_gone, EXIT_TIMEOUT, f"{where}: writer {writer_pid} to exit")
+        try:
+            wait_until(writer_gone, EXIT_TIMEOUT, f"{where}: writer {writer_pid} to exit")
+        except AssertionError as exc:  # what it is stuck in, for the next look at it
+            raise AssertionError(f"{exc}; its threads: {thread_waits(writer_pid)}") from None
         group_gone = lambda: not group_members(trainer.pid)  # noqa: E731
         wait_until(group_gone, EXIT_TIMEOUT, f"{where}: every process of the trainer to exit")
     finally:
