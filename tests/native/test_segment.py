@@ -14,7 +14,6 @@ import mmap
 import multiprocessing
 import os
 import re
-import resource
 import stat
 import struct
 from collections.abc import Callable, Iterator
@@ -25,6 +24,8 @@ import numpy as np
 import pytest
 
 from pyshmckpt import _C
+
+from helpers import minor_faults_reading
 
 SHM = Path("/dev/shm")
 PAGE = mmap.PAGESIZE
@@ -398,18 +399,6 @@ def test_attach_in_same_process_shares_memory():
         assert shm_file(owner).exists()
         assert contents(owner)[-3:] == b"end"
     assert not shm_file(owner).exists()
-
-
-def minor_faults_reading(segment) -> int:
-    """Minor page faults this thread takes to read one byte of every page of `segment` (this
-    thread's only: other threads of a test worker fault pages in meanwhile)."""
-    with memoryview(segment) as view:
-        pages = np.frombuffer(view, dtype=np.uint8)[::PAGE]
-        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-        int(pages.sum())  # reads one byte per page
-        after = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-        del pages
-    return after - before
 
 
 def test_attach_maps_pages_at_once_or_when_asked():

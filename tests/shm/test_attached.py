@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import resource
-
-import numpy as np
-
 from pyshmckpt.shm import Arena, AttachedSegments
 
+from helpers import minor_faults_reading
+
 PAGE = 4096
-
-
-def faults_reading(view: memoryview) -> int:
-    """Minor page faults this thread takes to read one byte of every page of `view`."""
-    pages = np.frombuffer(view, dtype=np.uint8)[::PAGE]
-    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-    int(pages.sum())
-    after = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-    return after - before
 
 
 def test_a_slot_is_read_without_page_faults_and_others_wait_for_their_first_write():
@@ -30,7 +19,7 @@ def test_a_slot_is_read_without_page_faults_and_others_wait_for_their_first_writ
         first = attached.slot(arena.slots[0].address())
         view = first.memoryview()
         try:
-            assert faults_reading(view) < pages // 1024  # mapped by its first write, once
+            assert minor_faults_reading(view) < pages // 1024  # mapped by its first write, once
         finally:
             view.release()
         assert attached.names() == {s.name for s in arena.slots}
@@ -39,7 +28,7 @@ def test_a_slot_is_read_without_page_faults_and_others_wait_for_their_first_writ
         second = attached._segments[arena.slots[1].name]
         view = memoryview(second)
         try:
-            assert faults_reading(view) >= pages // 512
+            assert minor_faults_reading(view) >= pages // 512
         finally:
             view.release()
     finally:
