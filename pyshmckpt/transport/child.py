@@ -111,9 +111,8 @@ class _TrainerWatch:
         self.spool = SpoolReader(None) if spool is None else spool
         self.dead = threading.Event()
         self.wake_r, self._wake_w = os.pipe()
-        # Who noticed first: next() on it is one C call, which neither another thread nor the
-        # parent-death signal handler can interrupt. (A lock deadlocked when that handler ran on
-        # the main thread while the main thread held it, on the channel-EOF path.)
+        # Who noticed first (the watch thread, or the main thread on the channel's EOF): next()
+        # on it is one C call, atomic under the GIL.
         self._notices = itertools.count()
         self._busy_since: float | None = None  # a write in progress, since
         self._progress = time.monotonic()
@@ -122,10 +121,11 @@ class _TrainerWatch:
         return os.getppid() != self.parent_pid
 
     def died(self) -> None:
-        """The trainer is gone (called from the watch thread, the signal handler or the loop;
-        only the first call acts)."""
+        """The trainer is gone (called from the watch thread or the main loop, never from a
+        signal handler: only the first call acts)."""
         if next(self._notices):
             return
+        self._progress = time.monotonic()  # the orphan's idle limit counts from here
         self.dead.set()
         if not self.policy.finish:
             self.exit(1)
@@ -166,33 +166,46 @@ class _TrainerWatch:
                 self.exit(1)
 
     def arm(self) -> None:
-        """Watch for the trainer's death: parent-death signal, and a pidfd watched by a thread."""
+        """Watch for the trainer's death on a thread: its pidfd, and the parent-death signal.
+
+        The signal's handler only wakes that thread. It runs on the main thread, between any two
+        bytecodes: acting there (logging, which forwards over the channel) waited for locks the
+        main thread itself held, such as the one around sending a reply (a writer left sleeping
+        with the trainer's segments).
+        """
+        signal_r, signal_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
 
         def handler(signum: int, frame: Any) -> None:  # noqa: ARG001
-            if self.parent_gone():
-                self.died()
+            with contextlib.suppress(OSError):  # full: the thread has a wake-up pending already
+                os.write(signal_w, b"x")
 
         signal.signal(_PARENT_DEATH_SIGNAL, handler)
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, int(_PARENT_DEATH_SIGNAL), 0, 0, 0)
+        poller = select.poll()
+        poller.register(signal_r, select.POLLIN)
+        pidfd: int | None = None
+        try:
+            pidfd = os.pidfd_open(self.parent_pid)
+            poller.register(pidfd, select.POLLIN)
+        except ProcessLookupError:
+            self.died()
+        except (OSError, AttributeError):
+            pass  # no pidfd here: the death signal and the channel EOF still work
         if self.parent_gone():  # died before the signal was armed
             self.died()
-            return
 
         def watch() -> None:
-            try:
-                fd = os.pidfd_open(self.parent_pid)
-            except ProcessLookupError:
-                self.died()
-                return
-            except (OSError, AttributeError):
-                return  # no pidfd here: the death signal and the channel EOF still work
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-            while not poller.poll():
-                pass
-            self.died()
+            while not self.dead.is_set():
+                ready = {fd for fd, _ in poller.poll()}
+                if pidfd in ready or self.parent_gone():
+                    self.died()
+                    return
+                # The signal is sent when the thread that spawned this process exits, which need
+                # not be the whole trainer: drain it and keep watching.
+                with contextlib.suppress(OSError):
+                    os.read(signal_r, 64)
 
         threading.Thread(target=watch, name="pyshmckpt-parent-watch", daemon=True).start()
 

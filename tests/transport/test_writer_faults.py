@@ -984,9 +984,9 @@ NOTICER = textwrap.dedent(
 
 def test_the_parent_death_signal_inside_died_does_not_deadlock(tmp_path):
     """The writer's main thread notices the trainer's death (channel EOF) while the parent-death
-    signal's handler, which runs on that same thread, notices it too: only one acts, neither
-    waits for the other. (With a lock around the notice the handler waited for its own thread
-    forever: a writer left sleeping with the trainer's segments, seen once in CI.)"""
+    signal arrives: only one notice acts, neither waits for the other. (With a lock around the
+    notice, and the handler acting on the main thread, it waited for its own thread forever: a
+    writer left sleeping with the trainer's segments, seen once in CI.)"""
     script = tmp_path / "noticer.py"
     script.write_text(NOTICER)
     done = subprocess.run(
@@ -995,6 +995,79 @@ def test_the_parent_death_signal_inside_died_does_not_deadlock(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "noticed once"
     assert done.stderr.count("is gone: finishing the writes") == 1, done.stderr
+
+
+REPLIER = textwrap.dedent(
+    """
+    import multiprocessing, os, signal
+
+    from pyshmckpt.shm import AttachedSegments
+    from pyshmckpt.transport import logs
+    from pyshmckpt.transport.child import OrphanPolicy, _Outbox, _TrainerWatch
+
+    ours, theirs = multiprocessing.Pipe()
+    outbox = _Outbox(ours)
+    logs.install({"": 30, "pyshmckpt": 30}, outbox.log)  # records go over the channel
+    watch = _TrainerWatch(os.getppid(), OrphanPolicy(finish=True), AttachedSegments())
+    watch.arm()
+    watch.parent_pid = -1  # the trainer is "gone": its death signal is taken as such
+    with outbox._lock:  # the main thread is sending a reply when the signal lands
+        os.kill(os.getpid(), signal.SIGUSR2)
+        for _ in range(100_000):  # Python runs the signal's handler between these bytecodes
+            pass
+    if not watch.dead.wait(20):
+        raise SystemExit("the death signal was not noticed")
+    print(theirs.recv().payload["msg"], flush=True)  # the warning, forwarded once the lock is free
+    """
+)
+
+
+def test_the_parent_death_signal_while_a_reply_is_sent_does_not_deadlock(tmp_path):
+    """The parent-death signal lands while the writer's main thread holds the channel's send lock
+    (sending a reply): the trainer's death is still noticed and logged. (Its handler used to act
+    on the main thread, and the warning it logged, forwarded over the channel, waited for that
+    thread's own lock forever.)"""
+    script = tmp_path / "replier.py"
+    script.write_text(REPLIER)
+    done = subprocess.run(
+        [sys.executable, str(script)], env=child_env(), capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    assert "is gone: finishing the writes" in done.stdout
+    assert done.stderr.count("is gone: finishing the writes") == 1, done.stderr
+
+
+IDLER = textwrap.dedent(
+    """
+    import os, time
+
+    from pyshmckpt.shm import AttachedSegments
+    from pyshmckpt.transport import child
+
+    watch = child._TrainerWatch(os.getpid() + 1, child.OrphanPolicy(), AttachedSegments())
+    watch.busy(False)
+    time.sleep(0.3)
+    child._ORPHAN_IDLE_LIMIT = 0.25  # stands for a writer idle for minutes before the death
+    watch.died()
+    time.sleep(0.1)  # the orphan reads what is left in the spool and the pipe meanwhile
+    print("still finishing", flush=True)
+    time.sleep(1.0)  # nothing came: the idle limit ends it now
+    print("not ended", flush=True)
+    """
+)
+
+
+def test_an_orphan_idle_limit_counts_from_the_trainers_death(tmp_path):
+    """A writer idle for longer than the orphan's idle limit before its trainer died still gets
+    that long to read and finish the writes handed over (its watchdog used to end it at once)."""
+    script = tmp_path / "idler.py"
+    script.write_text(IDLER)
+    done = subprocess.run(
+        [sys.executable, str(script)], env=child_env(), capture_output=True, text=True, timeout=30
+    )
+    assert done.stdout.splitlines() == ["still finishing"], (done.stdout, done.stderr)
+    assert done.returncode == 1
+    assert "the rest of a request never arrived" in done.stderr
 
 
 def _make_orphan_segment(prefix: str) -> str:
