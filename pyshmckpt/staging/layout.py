@@ -799,10 +799,12 @@ class Planner:
                     return reused
             return self._full_plan(state_dict)
 
-    def replan(self, state_dict: Any, reason: str) -> StagingPlan:
-        """A full plan of `state_dict`, whose reused plan's recheck gave `reason`."""
+    def replan(self, state_dict: Any, stale: StagingPlan, reason: str) -> StagingPlan:
+        """A full plan of `state_dict`, whose plan `stale` was abandoned for `reason` (its
+        recheck's, when it was a reused plan: that reuse is then taken back)."""
         with self._lock, gc_paused():
-            self.stats.reuses -= 1  # counted when it was handed out
+            if stale.recheck is not None:  # a reused plan with its flags deferred
+                self.stats.reuses -= 1  # counted when it was handed out
             self.stats.last_replan = reason
             return self._full_plan(state_dict)
 

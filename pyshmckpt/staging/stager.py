@@ -389,9 +389,8 @@ class ShmStager(*_bases):  # type: ignore[misc]
         try:
             return self._stage_plan(staging_plan, producers, lease=lease)
         except _Relayout as relayout:
-            staging_plan = self._planner.replan(state_dict, relayout.reason)
-        if self._validate is not None:
-            self._validate(staging_plan.manifest)
+            # No validator to run again: flags are deferred only without one (see _plan).
+            staging_plan = self._planner.replan(state_dict, staging_plan, relayout.reason)
         return self._stage_plan(staging_plan, producers, lease=lease)
 
     def _stage_plan(

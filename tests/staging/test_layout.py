@@ -1796,10 +1796,13 @@ def test_with_deferred_flags_every_change_is_planned_in_full_or_caught_by_the_re
         check(got.recheck is not None, "a reused plan without its recheck")
         reason = got.recheck()
         check(reason is not None, "the recheck missed the change")
-        got = planner.replan(state, reason)
+        got = planner.replan(state, got, reason)
         same(planner.stats.last_replan, reason, "reason of the replan")
     same((planner.stats.plans, planner.stats.reuses), (2, 0), "plans, reuses")
     assert_plans_equal(got, want)
+    # A full plan replanned takes back no reuse (it was never counted as one).
+    planner.replan(state, got, "asked again")
+    same((planner.stats.plans, planner.stats.reuses), (3, 0), "plans, reuses")
 
 
 def test_a_deferred_recheck_of_an_unchanged_state_dict_passes():
