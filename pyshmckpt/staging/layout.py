@@ -259,7 +259,8 @@ def plan(state_dict: Any, *, pickle_unsupported: bool = False) -> StagingPlan:
     With pickle_unsupported, tensors a slot cannot hold (sparse, nested, quantized, meta,
     subclasses) become `Pickled` leaves (deep copies, carried beside the slot) instead.
     """
-    return _plan(state_dict, pickle_unsupported)[0]
+    with gc_paused():
+        return _plan(state_dict, pickle_unsupported)[0]
 
 
 def _plan(state_dict: Any, pickle_unsupported: bool) -> tuple[StagingPlan, _Template]:

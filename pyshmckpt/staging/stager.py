@@ -364,7 +364,8 @@ class ShmStager(*_bases):  # type: ignore[misc]
             state_dict, defer_flags=defer_flags and self._validate is None
         )
         if self._validate is not None:
-            self._validate(staging_plan.manifest)
+            with layout.gc_paused():  # it may allocate per tensor too (the JSON check does)
+                self._validate(staging_plan.manifest)
         return staging_plan
 
     def _staged(

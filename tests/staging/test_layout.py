@@ -1752,6 +1752,41 @@ CHANGES = {
 }
 
 
+def test_planning_runs_no_automatic_garbage_collection():
+    # A plan allocates per tensor; the collections that would trigger cost in proportion to every
+    # object of the process, not to the state dict.
+    state = {f"w{i}": torch.ones(2) for i in range(256)}
+    started: list[int] = []
+
+    def note(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(info["generation"])
+
+    def collections_during(call: Any) -> int:
+        gc.collect()  # counts from zero: a collection every 100 allocations, but in the pause
+        del started[:]
+        call()
+        return len(started)
+
+    planner = layout.Planner()
+    threshold = gc.get_threshold()
+    gc.set_threshold(100)
+    gc.callbacks.append(note)
+    try:
+        # Thousands of allocations each; at most the one young collection they were owed, once
+        # the pause ends.
+        check(collections_during(lambda: layout.plan(state)) <= 1, "collections in plan()")
+        check(collections_during(lambda: planner.plan(state)) <= 1, "collections, full plan")
+        check(collections_during(lambda: planner.plan(state)) <= 1, "collections in a reuse")
+        same(gc.isenabled(), True, "collection re-enabled after planning")
+        unpaused = collections_during(lambda: [[i] for i in range(1000)])
+        check(unpaused > 1, "one collection for 1,000 allocations (the check could not fail)")
+    finally:
+        gc.callbacks.remove(note)
+        gc.set_threshold(*threshold)
+    same(planner.stats.reuses, 1, "reuses")
+
+
 @pytest.mark.parametrize("change", list(CHANGES), ids=list(CHANGES))
 def test_every_change_of_layout_is_planned_in_full(change):
     state = base_state()

@@ -198,6 +198,18 @@ def test_validate_sees_the_manifest_and_refuses_before_any_slot_is_taken():
     assert seen == [1, 3]  # tensors in each state dict
 
 
+def test_the_validator_runs_with_automatic_garbage_collection_paused():
+    # It may allocate per tensor (the JSON check of a Checkpointer does): a full collection,
+    # whose cost grows with every object of the process, landed in a save (90 ms at 8,192 tensors).
+    enabled_inside = []
+    with ShmStager(slots=1, validate=lambda manifest: enabled_inside.append(gc.isenabled())) as s:
+        assert gc.isenabled()
+        s.stage(state())
+        s.stage(state())  # a reused plan is validated too
+    assert enabled_inside == [False, False]
+    assert gc.isenabled()
+
+
 def test_failure_during_copy_frees_the_slot(stager, monkeypatch):
     stager.stage(state())
     arena = stager.arena
