@@ -277,9 +277,13 @@ def _plan(state_dict: Any, pickle_unsupported: bool) -> tuple[StagingPlan, _Temp
     n = len(tensors)
     align = knobs.alignment()
 
-    # Attributes, one column at a time: a comprehension per attribute is the cheapest way to read
-    # thousands of tensors from Python.
-    dtypes = [t.dtype for t in tensors]
+    # Attributes, one column at a time (map() over getters is the cheapest way to read thousands
+    # of tensors from Python); the columns a later state dict is matched against come first and
+    # serve this plan too.
+    signature = _signature(tensors)
+    flag_columns = _flags(tensors)
+    classes, dtypes, shapes, strides, storage_offsets, _ = signature
+    _, requires_grad, conj, neg = flag_columns
     dtype_codes = {dtype: code for code, dtype in enumerate(dict.fromkeys(dtypes))}
     code = np.fromiter([dtype_codes[d] for d in dtypes], dtype=np.int16, count=n)
     itemsize = (
@@ -287,34 +291,28 @@ def _plan(state_dict: Any, pickle_unsupported: bool) -> tuple[StagingPlan, _Temp
         if n
         else np.zeros(0, np.int64)
     )
-    shapes = [t.shape for t in tensors]
-    strides = [t.stride() for t in tensors]
-    numel = np.fromiter([t.numel() for t in tensors], dtype=np.int64, count=n)
-    start = np.fromiter([t.storage_offset() for t in tensors], dtype=np.int64, count=n) * itemsize
+    numel = np.fromiter(map(torch.Tensor.numel, tensors), dtype=np.int64, count=n)
+    start = np.fromiter(storage_offsets, dtype=np.int64, count=n) * itemsize
     storage = np.fromiter(
         [t.untyped_storage().data_ptr() for t in tensors], dtype=np.uint64, count=n
     )
-    device = np.fromiter([t.get_device() for t in tensors], dtype=np.int64, count=n)
-    plain = np.fromiter(
-        [t.is_contiguous() and not t.is_conj() and not t.is_neg() for t in tensors],
-        dtype=bool,
-        count=n,
-    )
+    device = np.fromiter(map(torch.Tensor.get_device, tensors), dtype=np.int64, count=n)
+    lazy = np.fromiter(conj, dtype=bool, count=n) | np.fromiter(neg, dtype=bool, count=n)
+    plain = np.fromiter(map(torch.Tensor.is_contiguous, tensors), dtype=bool, count=n) & ~lazy
     Parameter = torch.nn.Parameter
-    flags = np.fromiter(
-        [(type(t) is Parameter) | (t.requires_grad << 1) for t in tensors], dtype=np.uint8, count=n
+    flags = np.fromiter([c is Parameter for c in classes], dtype=np.uint8, count=n) | (
+        np.fromiter(requires_grad, dtype=np.uint8, count=n) << 1
     )
     nbytes = numel * itemsize
     extent = nbytes.copy()  # bytes from element 0 to one past the last reachable byte
     gather = np.zeros(n, dtype=bool)
     for i in np.flatnonzero(~plain & (numel > 0)).tolist():
-        t = tensors[i]
         size = int(itemsize[i])
         extent[i] = size + sum(
             (d - 1) * s * size for d, s in zip(shapes[i], strides[i], strict=True)
         )
         # Gaps between elements, or a lazy conjugate/negation: copy the elements densely.
-        gather[i] = extent[i] > nbytes[i] or t.is_conj() or t.is_neg()
+        gather[i] = extent[i] > nbytes[i] or lazy[i]
 
     # Tensors sharing a storage (tied weights, views) are staged once, as one block spanning every
     # byte any of them reaches; gathered tensors get a block each. Blocks keep first-seen order.
@@ -354,12 +352,15 @@ def _plan(state_dict: Any, pickle_unsupported: bool) -> tuple[StagingPlan, _Temp
     flat_strides = [s for stride in strides for s in stride]
     ndim = np.fromiter([len(s) for s in shapes], dtype=np.int16, count=n)
     gathers = []
+    view_strides = strides
     if gather.any():
+        view_strides = list(strides)
         positions = np.concatenate([[0], np.cumsum(ndim, dtype=np.int64)[:-1]]).tolist()
         for i in np.flatnonzero(gather).tolist():
             pos = positions[i]
             dense = contiguous_stride(tuple(shapes[i]))
             flat_strides[pos : pos + len(dense)] = dense
+            view_strides[i] = dense
             gathers.append((i, tensors[i]))
 
     raw = ~gather[first_member]
@@ -403,6 +404,14 @@ def _plan(state_dict: Any, pickle_unsupported: bool) -> tuple[StagingPlan, _Temp
         size=size,
         sharding=Sharding.of(walker.dtensors) if walker.dtensors else None,
     )
+    # The manifest works these out from its columns when asked; from the lists at hand they cost
+    # a tenth of that (a first save of 8,192 tensors builds its views from them).
+    manifest.__dict__["view_args"] = (
+        shapes,
+        view_strides,
+        code.tolist(),
+        np.where(block >= 0, offset, -1).tolist(),
+    )
     staging_plan = StagingPlan(
         manifest=manifest, host=host, device=devices, gathers=gathers, sources=tensors
     )
@@ -411,8 +420,8 @@ def _plan(state_dict: Any, pickle_unsupported: bool) -> tuple[StagingPlan, _Temp
     raw_blocks = np.flatnonzero(raw)
     template = _Template(
         manifest=manifest,
-        signature=_signature(tensors),
-        flags=_flags(tensors),
+        signature=signature,
+        flags=flag_columns,
         dtensors=frozenset(walker.dtensors),
         start=start.astype(np.uint64),
         member=member,

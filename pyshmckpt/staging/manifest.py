@@ -309,15 +309,7 @@ def make_tensors(
     import torch
 
     dtypes = [torch_dtypes()[name] for name in manifest.dtypes]
-    ndim = manifest.ndim.tolist()
-    shapes = manifest.shapes.tolist()
-    strides = manifest.strides.tolist()
-    offsets = manifest.offset.tolist()
-    blocks = manifest.block.tolist()
-    flags = manifest.flags.tolist()
-    codes = manifest.dtype.tolist()
     out: list[torch.Tensor] = []
-    pos = 0
     with torch.no_grad():
         if shared is not None:
             bases = [shared(d) for d in dtypes]
@@ -332,19 +324,25 @@ def make_tensors(
         else:
             if base is None:
                 raise ConfigTypeError("make_tensors needs `base` or `shared`")
-            for i, code in enumerate(codes):
+            ndim = manifest.ndim.tolist()
+            shapes = manifest.shapes.tolist()
+            strides = manifest.strides.tolist()
+            offsets = manifest.offset.tolist()
+            blocks = manifest.block.tolist()
+            pos = 0
+            for i, code in enumerate(manifest.dtype.tolist()):
                 dtype = dtypes[code]
                 end = pos + ndim[i]
                 origin_tensor, origin = base(blocks[i], dtype)
                 elements = (offsets[i] - origin) // dtype.itemsize if blocks[i] >= 0 else 0
                 out.append(origin_tensor.as_strided(shapes[pos:end], strides[pos:end], elements))
                 pos = end
-        for i, flag in enumerate(flags):
-            if flag:
-                if flag & PARAMETER:
-                    out[i] = torch.nn.Parameter(out[i], requires_grad=bool(flag & REQUIRES_GRAD))
-                else:
-                    out[i].requires_grad_(True)
+        flagged = np.flatnonzero(manifest.flags)
+        for i, flag in zip(flagged.tolist(), manifest.flags[flagged].tolist(), strict=True):
+            if flag & PARAMETER:
+                out[i] = torch.nn.Parameter(out[i], requires_grad=bool(flag & REQUIRES_GRAD))
+            else:
+                out[i].requires_grad_(True)
     if manifest.sharding is not None:
         manifest.sharding.wrap(out)
     return out

@@ -1486,6 +1486,22 @@ def test_property_round_trip_through_a_buffer(state, slot_offset):
 
 
 @settings(
+    max_examples=50,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(state=state_dicts())
+def test_property_a_plans_view_arguments_are_those_its_columns_give(state):
+    # The plan fills them in from its own lists; a manifest that crossed a process works them
+    # out from its columns. Both must view the same elements.
+    manifest = layout.plan(state).manifest
+    crossed = pickle.loads(pickle.dumps(manifest))
+    check("view_args" not in crossed.__dict__, "view arguments crossed with the manifest")
+    same(manifest.view_args, crossed.view_args, "view arguments")
+
+
+@settings(
     max_examples=20,
     deadline=None,
     database=None,
