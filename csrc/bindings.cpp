@@ -163,11 +163,13 @@ mapping, writable and zero-copy; the mapping stays valid while any exported view
           "(every page at once; with map_pages=False on first access or by map_pages_for_reading).")
       .def(
           "map_pages_for_reading",
-          [](Segment& self) {
+          [](Segment& self, std::size_t nbytes) {
             py::gil_scoped_release release;
-            self.map_pages_for_reading();
+            self.map_pages_for_reading(nbytes);
           },
-          "Map every page for reading now, so that reading the segment takes no page fault.")
+          py::arg("nbytes") = 0,
+          "Map the pages of the first `nbytes` bytes of the mapping (the header included; 0: all)\n"
+          "for reading now, so that reading them takes no page fault.")
       .def_property_readonly("name", &Segment::name)
       .def_property_readonly("size", &Segment::size)
       .def_property_readonly("mapped_size", &Segment::mapped_size)
@@ -204,6 +206,21 @@ Copy host memory into the segment: `entries` is a (n, 3) uint64 array of source 
 destination offset and byte count. Runs on the thread pool with the GIL released.
 SAFETY: every source address must be readable for its byte count and stay alive and unmodified
 until this returns; the caller keeps the owning objects alive.
+)doc")
+      .def(
+          "write_from_host",
+          [](Segment& s, const U64Array& entries) {
+            std::size_t count = 0;
+            const CopyEntry* e = entries_of(entries, &count);
+            MappingUse use(s);
+            py::gil_scoped_release release;
+            write_host_through_file(s, e, count);
+          },
+          py::arg("entries"),
+          R"doc(
+Write host memory into the segment through its file (pwritev), not its mapping: entries as for
+copy_from_host. For pages never allocated, twice as fast as allocating and then copying; a full
+/dev/shm raises OSError(ENOSPC). One thread, GIL released. SAFETY: as copy_from_host.
 )doc")
       .def(
           "copy_from_host_async",

@@ -1,6 +1,10 @@
 #include "copy_engine.h"
 
+#include <sys/uio.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <climits>
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -39,6 +43,56 @@ void copy_host(Segment& segment, const CopyEntry* entries, std::size_t count) {
   if (segment.closed()) throw ArgumentError("segment '" + segment.name() + "' is closed");
   check_destinations(segment, entries, count);
   copy_host_unchecked(segment.base(), entries, count);
+}
+
+namespace {
+
+// Writes every byte of `iov` at `position` of `fd`, resuming after short writes and EINTR.
+void pwritev_all(int fd, std::vector<iovec>& iov, off_t position, const std::string& name) {
+  std::size_t first = 0;
+  while (first < iov.size()) {
+    const int n = static_cast<int>(std::min<std::size_t>(iov.size() - first, IOV_MAX));
+    const ssize_t written = ::pwritev(fd, iov.data() + first, n, position);
+    if (written < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      throw SyscallError(err, "pwritev", name,
+                         err == ENOSPC ? "not enough shared memory to fill the segment"
+                                       : std::string(std::strerror(err)));
+    }
+    position += written;
+    auto left = static_cast<std::size_t>(written);
+    while (first < iov.size() && left >= iov[first].iov_len) left -= iov[first++].iov_len;
+    if (left > 0) {
+      iov[first].iov_base = static_cast<std::uint8_t*>(iov[first].iov_base) + left;
+      iov[first].iov_len -= left;
+    }
+  }
+}
+
+}  // namespace
+
+void write_host_through_file(Segment& segment, const CopyEntry* entries, std::size_t count) {
+  if (segment.closed()) throw ArgumentError("segment '" + segment.name() + "' is closed");
+  check_destinations(segment, entries, count);
+  std::vector<CopyEntry> sorted;
+  sorted.reserve(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    if (entries[i].nbytes > 0) sorted.push_back(entries[i]);
+  }
+  std::sort(sorted.begin(), sorted.end(),
+            [](const CopyEntry& a, const CopyEntry& b) { return a.dst < b.dst; });
+  std::vector<iovec> iov;
+  for (std::size_t i = 0; i < sorted.size();) {
+    const std::uint64_t start = sorted[i].dst;
+    std::uint64_t end = start;
+    iov.clear();
+    for (; i < sorted.size() && sorted[i].dst == end; ++i) {
+      iov.push_back({reinterpret_cast<void*>(sorted[i].src), sorted[i].nbytes});
+      end += sorted[i].nbytes;
+    }
+    pwritev_all(segment.fd(), iov, static_cast<off_t>(start), segment.name());
+  }
 }
 
 void copy_host_unchecked(std::uint8_t* base, const CopyEntry* entries, std::size_t count) {

@@ -237,13 +237,14 @@ Segment Segment::attach(const std::string& name, std::size_t size, const std::st
   return seg;
 }
 
-void Segment::map_pages_for_reading() {
+void Segment::map_pages_for_reading(std::size_t nbytes) {
   require_open("map_pages_for_reading");
-  const std::size_t length = mapped_size();
+  const std::size_t page = page_size();
+  const std::size_t wanted = nbytes == 0 ? mapped_size() : std::min(nbytes, mapped_size());
+  const std::size_t length = (wanted + page - 1) / page * page;
   if (madvise(base_, length, MADV_POPULATE_READ) == 0) return;
   if (errno != EINVAL) throw_errno("madvise(MADV_POPULATE_READ)", name_);
   // Kernels before 5.14: read one byte of each page.
-  const std::size_t page = page_size();
   for (std::size_t off = 0; off < length; off += page) {
     (void)*static_cast<volatile const std::uint8_t*>(base_ + off);
   }

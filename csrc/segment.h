@@ -37,10 +37,11 @@ class Segment {
   // map_pages_for_reading().
   static Segment attach(const std::string& name, std::size_t size, const std::string& token,
                         bool map_pages = true);
-  // Maps every page of an attached segment for reading (MADV_POPULATE_READ; on kernels before
-  // 5.14 by reading one byte per page), so that reading it takes no page fault. Meant for pages
-  // the owner has allocated: a page it has not is allocated (zeroed) by this, as by a read.
-  void map_pages_for_reading();
+  // Maps the pages of an attached segment's first `nbytes` bytes (the header included; 0: all)
+  // for reading (MADV_POPULATE_READ; on kernels before 5.14 by reading one byte per page), so that
+  // reading them takes no page fault. Meant for pages the owner has allocated: a page it has not
+  // is allocated (zeroed) by this, as by a read.
+  void map_pages_for_reading(std::size_t nbytes = 0);
 
   Segment(Segment&& other) noexcept;
   Segment& operator=(Segment&& other) noexcept;

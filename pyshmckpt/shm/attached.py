@@ -64,15 +64,15 @@ class SlotMapping:
 class AttachedSegments:
     """Segments the writer has mapped, by name, and every name it was told of (for cleanup).
 
-    A segment is attached when the trainer first describes it, and its pages are mapped when a
-    write first reads it (`slot`), once: steady-state writes take no page fault, and the first
-    write waits for its own slot's pages only, not for every slot of the arena (which may not
-    even be filled yet, see Arena).
+    A segment is attached when the trainer first describes it, and the pages a write reads are
+    mapped when it first reads them (`slot`), once: steady-state writes take no page fault, and
+    the first write waits for its own pages only, not for every slot of the arena (which may
+    not even be filled yet, see Arena).
     """
 
     def __init__(self) -> None:
         self._segments: dict[str, Segment] = {}
-        self._mapped: set[str] = set()  # segments whose pages are all mapped
+        self._mapped: dict[str, int] = {}  # bytes from each segment's start mapped so far
         self._known: set[str] = set()
         # Reentrant: the parent-death signal handler runs on the main thread and may interrupt
         # it while it already holds the lock (in unlink_all on channel EOF).
@@ -88,7 +88,7 @@ class AttachedSegments:
             for name in list(self._segments):
                 if name not in names:
                     self._segments.pop(name).close()
-                    self._mapped.discard(name)
+                    self._mapped.pop(name, None)
             for name, size, token in described:
                 if name not in self._segments:
                     try:
@@ -107,18 +107,21 @@ class AttachedSegments:
         with self._lock:
             return set(self._segments)
 
-    def slot(self, address: SlotAddress) -> SlotMapping:
-        """The mapping of an attached slot, its pages all mapped."""
+    def slot(self, address: SlotAddress, nbytes: int | None = None) -> SlotMapping:
+        """The mapping of an attached slot, the pages of its first `nbytes` bytes (None: all)
+        mapped. Only those: the trainer may not have allocated the rest yet (see Arena)."""
         with self._lock:
             segment = self._segments[address.name]
-            if address.name not in self._mapped:
+            size = int(segment.mapped_size)
+            wanted = size if nbytes is None else min(address.offset + nbytes, size)
+            if wanted > self._mapped.get(address.name, 0):
                 try:
-                    segment.map_pages_for_reading()
+                    segment.map_pages_for_reading(wanted)
                 except OSError as exc:
                     raise from_os_error(
                         exc, f"cannot map the pages of slot {address.name}"
                     ) from exc
-                self._mapped.add(address.name)
+                self._mapped[address.name] = wanted
             return SlotMapping(segment, address.offset)
 
     def unlink_all(self) -> None:

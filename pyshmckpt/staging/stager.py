@@ -437,6 +437,12 @@ class ShmStager(*_bases):  # type: ignore[misc]
         producers: dict[int, torch.cuda.Event] | None,
     ) -> _Copies:
         copies = _Copies(slot)
+        size = staging_plan.manifest.size
+        if slot.reserved < size:  # the first stage into a slot made for it (see Arena)
+            if not staging_plan.device and not staging_plan.gathers:
+                slot.fill_from_host(staging_plan.host, size)
+                return copies
+            slot.reserve(size)
         try:
             for device, rows in staging_plan.device.items():
                 stream = self._wait_producers(device, producers)

@@ -371,7 +371,7 @@ def _serve_write(
             manifest = resolved
         else:
             views.remember(address.name, manifest)
-        slot = attached.slot(address)
+        slot = attached.slot(address, manifest.size)
         started = time.perf_counter()
         if isinstance(writer, SlotWriter):  # persists straight from shared memory
             writer.write_slot(

@@ -186,6 +186,8 @@ def test_background_arena_makes_one_slot_then_the_rest_after_the_first_stage():
         assert all((SHM / slot.name).exists() for slot in arena.slots)
         time.sleep(0.2)
         assert [slot.ready for slot in arena.slots] == [True, False, False]
+        # Not pinned: not even the first slot's pages are allocated before its first stage.
+        assert [slot.reserved for slot in arena.slots] == [0, 0, 0]
         assert arena.idle()
         first = arena.acquire(0, timeout=1.0)
         assert first is arena.slots[0]
@@ -197,6 +199,7 @@ def test_background_arena_makes_one_slot_then_the_rest_after_the_first_stage():
         assert second.state is SlotState.STAGING
         arena.acquire(2, timeout=10.0)
         assert [slot.ready for slot in arena.slots] == [True, True, True]
+        assert [slot.reserved for slot in arena.slots] == [arena.slot_capacity] * 3
         assert len({slot.name for slot in arena.slots}) == 3
         assert [slot.index for slot in arena.slots] == [0, 1, 2]
     finally:

@@ -34,3 +34,28 @@ def test_a_slot_is_read_without_page_faults_and_others_wait_for_their_first_writ
     finally:
         attached.sync([])
         arena.close()
+
+
+def test_a_write_maps_the_bytes_it_reads_and_a_larger_one_the_rest():
+    # The trainer may not have allocated a slot's later pages yet (a first stage writes only the
+    # state's bytes): a write maps as far as its manifest reaches, a larger write further.
+    arena = Arena(32 << 20, 1)
+    attached, other = AttachedSegments(), AttachedSegments()
+    try:
+        slot = arena.slots[0]
+        described = [(slot.name, int(slot.segment.size), bytes(slot.segment.token))]
+        attached.sync(described)
+        other.sync(described)
+        size = int(slot.segment.size)
+        half = (size // 2) & ~(PAGE - 1)
+        pages = half // PAGE
+        with attached.slot(slot.address(), half).memoryview() as view:
+            assert minor_faults_reading(view[:half]) < pages // 1024
+        with other.slot(slot.address(), half).memoryview() as view:  # a mapping of its own
+            assert minor_faults_reading(view[half:]) >= pages // 512  # not mapped by that write
+        with attached.slot(slot.address(), size).memoryview() as view:
+            assert minor_faults_reading(view[half:]) < pages // 1024  # mapped by the larger one
+    finally:
+        attached.sync([])
+        other.sync([])
+        arena.close()

@@ -7,6 +7,7 @@ import gc
 import pickle
 from concurrent.futures import Future
 from multiprocessing.reduction import ForkingPickler
+from typing import Any
 
 import pytest
 import torch
@@ -21,10 +22,11 @@ from pyshmckpt import (
     StagerClosedError,
     UnsupportedValueError,
 )
+from pyshmckpt.shm import Slot
 from pyshmckpt.staging import stager as stager_module
 from pyshmckpt.staging.manifest import build, rebuild
 
-from helpers import wait_until
+from helpers import assert_same_tree, wait_until
 
 MIB = 1 << 20
 
@@ -51,6 +53,53 @@ def test_works_with_no_arguments():
         wait_until(lambda: all(slot.ready for slot in s.arena.slots), 30, "the second slot")
         assert torch.equal(staged["w"], state()["w"])
         assert staged["nested"][1] == {"step": 7}
+
+
+def test_the_first_stage_into_a_new_slot_writes_through_its_file(monkeypatch):
+    # The arena made by the first stage leaves its first slot's pages unallocated; that stage
+    # writes them through the slot's file (host tensors only); the background thread then
+    # allocates and maps the rest of the slot; later stages copy through the mapping.
+    fills: list[int] = []
+    real = Slot.fill_from_host
+
+    def counted(slot: Slot, rows: Any, nbytes: int) -> None:
+        fills.append(nbytes)
+        real(slot, rows, nbytes)
+
+    monkeypatch.setattr(Slot, "fill_from_host", counted)
+    with ShmStager(slots=2, pin=False) as s:
+        staged = s.stage(state())
+        first = s.arena.slots[0]
+        size = first.manifest.size
+        assert fills == [size]
+        assert first.reserved >= size
+        assert_same_tree(state(), staged)
+        wait_until(
+            lambda: first.reserved == first.capacity and all(x.ready for x in s.arena.slots),
+            30, "the rest of the first slot and the second slot",
+        )  # fmt: skip
+        again = s.stage(state(2.0))
+        s.release(staged)
+        del staged
+        third = s.stage(state(3.0))
+        assert fills == [size], "a later stage wrote through the file"
+        assert_same_tree(state(2.0), again)
+        assert_same_tree(state(3.0), third)
+
+
+def test_a_first_stage_that_gathers_allocates_the_pages_it_needs(monkeypatch):
+    # A tensor with gaps between its elements is copied densely through the mapping: the pages
+    # it lands in are allocated first (never touched unallocated, which a full /dev/shm would
+    # answer with a SIGBUS).
+    fills: list[int] = []
+    monkeypatch.setattr(Slot, "fill_from_host", lambda *args: fills.append(1))
+    gathered = {"strided": torch.arange(4096.0)[::2], "w": torch.ones(1024)}
+    with ShmStager(slots=2, pin=False) as s:
+        staged = s.stage(gathered)
+        first = s.arena.slots[0]
+        assert fills == []
+        assert first.reserved >= first.manifest.size
+        assert_same_tree(gathered, staged)
 
 
 def test_capacity_given_creates_the_arena_in_the_constructor():
