@@ -1,7 +1,8 @@
 """Layer 1, shared memory: segments, the arena and its slots, pinning, stale-segment collection.
 
 The only layer that touches the native segment API (`native`). Everything above sees slots:
-`Arena` creates them (prefaulted, pinned where CUDA is available), each `Slot` moves through
+`Arena` creates them (prefaulted, pinned where CUDA is available; an arena made by a first stage
+leaves that to the stage and a background thread), each `Slot` moves through
 FREE -> STAGING -> READY -> WRITING -> FREE under the arena's lock, and the writer process
 attaches them by `SlotAddress` (`AttachedSegments`).
 """

@@ -100,8 +100,9 @@ class ShmStager(*_bases):  # type: ignore[misc]
     Args:
         capacity_bytes: bytes per slot. Given, the arena is created, faulted in and pinned here,
             so the first stage costs what later ones do. None: sized from the first state dict
-            with ``headroom`` (that stage creates one slot, the others are created in the
-            background; so does a move to a larger arena).
+            with ``headroom`` (that stage creates one slot, writing host tensors through its
+            file, and the rest of it and the other slots are allocated in the background; so
+            does a move to a larger arena).
         slots: slots in the ring (default 2, ``PYSHMCKPT_SLOTS``).
         async_staging: return a Future from stage(); copies run on a background thread.
         allow_growth: when a state dict outgrows its slot, move to a larger arena (the old one is
