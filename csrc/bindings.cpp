@@ -45,6 +45,17 @@ class MappingUse {
   Segment& segment_;
 };
 
+// Runs `fill` (copy_host, write_host_through_file) over (n, 3) host entries, the segment's
+// mapping kept alive and the GIL released meanwhile.
+void run_host_entries(Segment& s, const U64Array& entries,
+                      void (*fill)(Segment&, const CopyEntry*, std::size_t)) {
+  std::size_t count = 0;
+  const CopyEntry* e = entries_of(entries, &count);
+  MappingUse use(s);
+  py::gil_scoped_release release;
+  fill(s, e, count);
+}
+
 int segment_getbuffer(PyObject* obj, Py_buffer* view, int flags) {
   view->obj = nullptr;
   Segment* segment = nullptr;
@@ -193,13 +204,7 @@ mapping, writable and zero-copy; the mapping stays valid while any exported view
       .def("unpin", &Segment::unpin, py::call_guard<py::gil_scoped_release>())
       .def(
           "copy_from_host",
-          [](Segment& s, const U64Array& entries) {
-            std::size_t count = 0;
-            const CopyEntry* e = entries_of(entries, &count);
-            MappingUse use(s);
-            py::gil_scoped_release release;
-            copy_host(s, e, count);
-          },
+          [](Segment& s, const U64Array& entries) { run_host_entries(s, entries, copy_host); },
           py::arg("entries"),
           R"doc(
 Copy host memory into the segment: `entries` is a (n, 3) uint64 array of source address,
@@ -210,11 +215,7 @@ until this returns; the caller keeps the owning objects alive.
       .def(
           "write_from_host",
           [](Segment& s, const U64Array& entries) {
-            std::size_t count = 0;
-            const CopyEntry* e = entries_of(entries, &count);
-            MappingUse use(s);
-            py::gil_scoped_release release;
-            write_host_through_file(s, e, count);
+            run_host_entries(s, entries, write_host_through_file);
           },
           py::arg("entries"),
           R"doc(

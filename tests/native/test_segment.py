@@ -922,22 +922,13 @@ def batch_with_bad_entry(seg: Any, source: np.ndarray, bad: str) -> np.ndarray:
     return rows(*good[:3], BAD_ENTRIES[bad](seg, src), *good[3:])
 
 
+@pytest.mark.parametrize("method", ["copy_from_host", "copy_from_host_async", "write_from_host"])
 @pytest.mark.parametrize("bad", sorted(BAD_ENTRIES))
-def test_copy_from_host_rejects_bad_entries_before_copying(source, segment, bad):
+def test_host_copies_reject_bad_entries_before_copying(source, segment, bad, method):
     fill_random(segment, seed=8, start=0)
     before = contents(segment)
     with pytest.raises(ValueError, match="entry 3"):
-        segment.copy_from_host(batch_with_bad_entry(segment, source, bad))
-    assert contents(segment) == before
-    assert segment.exports == 0
-
-
-@pytest.mark.parametrize("bad", sorted(BAD_ENTRIES))
-def test_write_from_host_rejects_bad_entries_before_writing(source, segment, bad):
-    fill_random(segment, seed=10, start=0)
-    before = contents(segment)
-    with pytest.raises(ValueError, match="entry 3"):
-        segment.write_from_host(batch_with_bad_entry(segment, source, bad))
+        getattr(segment, method)(batch_with_bad_entry(segment, source, bad))
     assert contents(segment) == before
     assert segment.exports == 0
 
@@ -971,16 +962,6 @@ def test_write_from_host_writes_every_entry_through_the_file(source, populated, 
         seg.write_from_host(entries[rng.permutation(len(entries))])
         assert contents(seg) == expected_after(before, source, triples + run)
         assert seg.exports == 0
-
-
-@pytest.mark.parametrize("bad", sorted(BAD_ENTRIES))
-def test_copy_from_host_async_rejects_bad_entries_before_copying(source, segment, bad):
-    fill_random(segment, seed=9, start=0)
-    before = contents(segment)
-    with pytest.raises(ValueError, match="entry 3"):
-        segment.copy_from_host_async(batch_with_bad_entry(segment, source, bad))
-    assert contents(segment) == before
-    assert segment.exports == 0
 
 
 @pytest.mark.parametrize(
