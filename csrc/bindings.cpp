@@ -173,6 +173,16 @@ mapping, writable and zero-copy; the mapping stays valid while any exported view
           "Map an existing segment after checking owner, permissions, size, header and token\n"
           "(every page at once; with map_pages=False on first access or by map_pages_for_reading).")
       .def(
+          "allocate_pages",
+          [](Segment& self, std::size_t offset, std::size_t nbytes) {
+            MappingUse use(self);
+            py::gil_scoped_release release;
+            self.allocate_pages(offset, nbytes);
+          },
+          py::arg("offset"), py::arg("nbytes"),
+          "Allocate (fallocate) and map for writing the pages of bytes [offset, offset + nbytes) of\n"
+          "the mapping; safe while other threads write them; a full /dev/shm raises OSError(ENOSPC).")
+      .def(
           "map_pages_for_reading",
           [](Segment& self, std::size_t nbytes) {
             py::gil_scoped_release release;

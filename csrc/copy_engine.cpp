@@ -91,7 +91,7 @@ void write_host_through_file(Segment& segment, const CopyEntry* entries, std::si
       iov.push_back({reinterpret_cast<void*>(sorted[i].src), sorted[i].nbytes});
       end += sorted[i].nbytes;
     }
-    pwritev_all(segment.fd(), iov, static_cast<off_t>(start), segment.name());
+    pwritev_all(segment.held_fd(), iov, static_cast<off_t>(start), segment.name());
   }
 }
 

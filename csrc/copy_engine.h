@@ -37,7 +37,7 @@ void copy_host(Segment& segment, const CopyEntry* entries, std::size_t count);
 // allocates each page as the write fills it, with no zeroing, page fault or page-table entry
 // (about twice as fast as allocating every page and then copying), and a full /dev/shm is a
 // SyscallError(ENOSPC), not a SIGBUS. One thread: writes to one file take its inode lock.
-// SAFETY: as copy_host.
+// SAFETY: as copy_host; the caller holds an export of the segment (its descriptor stays open).
 void write_host_through_file(Segment& segment, const CopyEntry* entries, std::size_t count);
 
 // A host copy running on a background thread (which drives the thread pool), so that the caller

@@ -237,6 +237,31 @@ Segment Segment::attach(const std::string& name, std::size_t size, const std::st
   return seg;
 }
 
+void Segment::allocate_pages(std::size_t offset, std::size_t nbytes) {
+  require_open("allocate_pages");
+  const std::size_t page = page_size();
+  if (offset % page != 0 || offset > mapped_size()) {
+    throw ArgumentError("allocate_pages: offset " + std::to_string(offset) +
+                        " is not a page boundary of the mapping");
+  }
+  const std::size_t end = std::min(mapped_size(), (offset + nbytes + page - 1) / page * page);
+  if (end <= offset) return;
+  int rc;
+  do {
+    rc = ::fallocate(fd_, 0, static_cast<off_t>(offset), static_cast<off_t>(end - offset));
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) {
+    const int err = errno;
+    throw_errno("fallocate", name_, err,
+                err == ENOSPC ? "not enough shared memory to allocate " +
+                                    std::to_string(end - offset) + " bytes"
+                              : "");
+  }
+  if (madvise(base_ + offset, end - offset, MADV_POPULATE_WRITE) != 0 && errno != EINVAL) {
+    throw_errno("madvise(MADV_POPULATE_WRITE)", name_);
+  }
+}
+
 void Segment::map_pages_for_reading(std::size_t nbytes) {
   require_open("map_pages_for_reading");
   const std::size_t page = page_size();
@@ -275,7 +300,10 @@ Segment& Segment::operator=(Segment&& other) noexcept {
   return *this;
 }
 
-Segment::~Segment() { close(); }
+Segment::~Segment() {
+  close();
+  if (fd_ >= 0) ::close(fd_);  // exports outstanding at destruction: keep their mapping only
+}
 
 std::string Segment::token() const {
   require_open("token");
@@ -300,6 +328,10 @@ void Segment::release_mapping() noexcept {
     munmap(base_, mapped_size());
     base_ = nullptr;
   }
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+  }
 }
 
 void Segment::close() noexcept {
@@ -309,10 +341,6 @@ void Segment::close() noexcept {
   if (owner_ && !unlinked_ && !name_.empty()) {
     shm_unlink(shm_path(name_).c_str());
     unlinked_ = true;
-  }
-  if (fd_ >= 0) {
-    ::close(fd_);
-    fd_ = -1;
   }
   if (exports_ == 0) release_mapping();
 }

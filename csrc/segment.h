@@ -42,6 +42,12 @@ class Segment {
   // reading them takes no page fault. Meant for pages the owner has allocated: a page it has not
   // is allocated (zeroed) by this, as by a read.
   void map_pages_for_reading(std::size_t nbytes = 0);
+  // Allocates the pages of bytes [offset, offset + nbytes) of the mapping (page-aligned offset) in
+  // the segment's file (fallocate: pages already allocated stay as they are and nothing is
+  // written, so other threads may write those pages meanwhile), then maps them for writing
+  // (MADV_POPULATE_WRITE; kernels before 5.14 map them on first access, which can no longer
+  // fail). A full /dev/shm is a SyscallError(ENOSPC), never a SIGBUS.
+  void allocate_pages(std::size_t offset, std::size_t nbytes);
 
   Segment(Segment&& other) noexcept;
   Segment& operator=(Segment&& other) noexcept;
@@ -51,8 +57,8 @@ class Segment {
 
   // Removes the name; idempotent. Mappings stay valid until closed.
   void unlink();
-  // Unpins, unlinks if this process created the segment, closes the descriptor and unmaps. The
-  // unmap waits until `release_export` has been called for every `acquire_export`. Idempotent.
+  // Unpins, unlinks if this process created the segment, unmaps and closes the descriptor. Both
+  // wait until `release_export` has been called for every `acquire_export`. Idempotent.
   void close() noexcept;
 
   // Buffer-protocol bookkeeping: while exports are outstanding the mapping stays alive.
@@ -65,7 +71,9 @@ class Segment {
   std::size_t mapped_size() const noexcept { return size_ + kHeaderSize; }
   std::size_t data_offset() const noexcept { return kHeaderSize; }
   std::uint8_t* base() const noexcept { return base_; }         // start of the mapping (header)
-  int fd() const noexcept { return fd_; }
+  int fd() const noexcept { return closed_ ? -1 : fd_; }
+  // The descriptor while an export is held, even if another thread closed the segment meanwhile.
+  int held_fd() const noexcept { return fd_; }
   bool owner() const noexcept { return owner_; }
   bool closed() const noexcept { return closed_; }
   bool unlinked() const noexcept { return unlinked_; }

@@ -149,17 +149,28 @@ class Slot:
             self.segment.write_from_host(_shift(rows, self.offset))
         except OSError as exc:
             raise from_os_error(exc, f"cannot fill slot {self.name}") from exc
-        self.reserved = max(self.reserved, nbytes)
+        self.note_reserved(nbytes)
 
     def reserve(self, nbytes: int) -> None:
         """Allocate and map the pages of the slot's first `nbytes` bytes if they are not yet."""
         if nbytes <= self.reserved:
             return
+        self.allocate(0, self.offset + nbytes)
+        self.note_reserved(nbytes)
+
+    def allocate(self, start: int, nbytes: int) -> None:
+        """Allocate and map the pages of segment bytes [start, start + nbytes), even while other
+        threads write them (see Segment.allocate_pages)."""
         try:
-            populate(int(self.segment.address) + self.offset, nbytes)
+            self.segment.allocate_pages(start, nbytes)
         except OSError as exc:
             raise from_os_error(exc, f"cannot allocate {nbytes} bytes of slot {self.name}") from exc
-        self.reserved = nbytes
+
+    def note_reserved(self, nbytes: int) -> None:
+        """The pages of the slot's first `nbytes` bytes are allocated (`reserved` never shrinks:
+        the stage and the arena's background thread both raise it)."""
+        with self.arena._cond:
+            self.reserved = max(self.reserved, nbytes)
 
     def copy_from_host_async(self, rows: np.ndarray) -> HostCopy:
         """Start copying host memory into the slot on the native thread pool (GIL released)."""
@@ -285,10 +296,13 @@ class Arena:
         if self._device is not None:
             torch.cuda.set_device(self._device)
         if first.ready and first.reserved < first.capacity:
-            try:
-                if not self._fill(first):
-                    return
-                first.reserved = first.capacity
+            try:  # stages may write into this slot meanwhile: allocate, never touch
+                size = int(first.segment.mapped_size)
+                for start in range(0, size, _POPULATE_PIECE):
+                    if self.closed:
+                        return
+                    first.allocate(start, min(_POPULATE_PIECE, size - start))
+                first.note_reserved(first.capacity)
             except Exception as exc:
                 logger.warning(
                     "arena %s: cannot allocate the rest of slot 0 (%s); it holds state dicts of "
@@ -298,7 +312,7 @@ class Arena:
             try:
                 if not self._fill(slot):
                     return
-                slot.reserved = slot.capacity
+                slot.note_reserved(slot.capacity)
                 self._pin_slot(slot)
                 if self._pin and not slot.segment.pinned:
                     warn_once(
@@ -320,7 +334,8 @@ class Arena:
             logger.debug("arena %s: slot %d ready", self.name, slot.index)
 
     def _fill(self, slot: Slot) -> bool:
-        """Allocate and map every page of `slot`, in pieces; False if the arena closed first."""
+        """Allocate and map every page of `slot`, in pieces (touching them where the kernel cannot
+        map them: only for a slot nothing uses yet); False if the arena closed first."""
         size, address = int(slot.segment.mapped_size), int(slot.segment.address)
         for start in range(0, size, _POPULATE_PIECE):
             if self.closed:

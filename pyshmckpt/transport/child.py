@@ -129,16 +129,18 @@ class _TrainerWatch:
         self.dead.set()
         if not self.policy.finish:
             self.exit(1)
-        logs.to_stderr()
-        logger.warning(
-            "the trainer (pid %d) is gone: finishing the writes it handed over, then exiting",
-            self.parent_pid,
-        )
+        # Wake the main loop and bound what follows before logging, which forwards the record
+        # over the channel and may wait for a send in progress.
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
         threading.Thread(
             target=self._watchdog, name="pyshmckpt-orphan-watchdog", daemon=True
         ).start()
+        logs.to_stderr()
+        logger.warning(
+            "the trainer (pid %d) is gone: finishing the writes it handed over, then exiting",
+            self.parent_pid,
+        )
 
     def busy(self, writing: bool) -> None:
         self._busy_since = time.monotonic() if writing else None

@@ -933,6 +933,41 @@ def test_host_copies_reject_bad_entries_before_copying(source, segment, bad, met
     assert segment.exports == 0
 
 
+def test_allocate_pages_keeps_what_is_written_and_maps_the_rest(source):
+    pages = 4096
+    with _C.Segment.create(pages * PAGE, populate=False) as seg:
+        written = rows((source.ctypes.data, seg.data_offset, 3 * PAGE + 5))
+        seg.write_from_host(written)
+        half = (seg.mapped_size // 2) & ~(PAGE - 1)
+        seg.allocate_pages(0, half)  # over written pages too: nothing written, nothing lost
+        with memoryview(seg) as view:
+            assert minor_faults_reading(view[:half]) < pages // 1024  # mapped for writing
+            data = bytes(view[seg.data_offset : seg.data_offset + 4 * PAGE])
+        assert data == source.tobytes()[: 3 * PAGE + 5] + bytes(PAGE - 5)
+        seg.allocate_pages(half, seg.mapped_size)  # clipped at the end of the mapping
+        with pytest.raises(ValueError, match="page boundary"):
+            seg.allocate_pages(PAGE + 1, PAGE)
+    with pytest.raises(ValueError, match="closed"):
+        seg.allocate_pages(0, PAGE)
+
+
+def test_a_closed_segment_keeps_its_descriptor_while_exported():
+    # A write through the file (GIL released) holds an export: another thread's close() must not
+    # close the descriptor under it (its number could then name another file).
+    seg = _C.Segment.create(PAGE)
+    fd, name = seg.fd, seg.name
+    view = memoryview(seg)
+    seg.close()
+    assert seg.fd == -1
+    assert name in str(Path(f"/proc/self/fd/{fd}").readlink())
+    view.release()
+    try:
+        target = str(Path(f"/proc/self/fd/{fd}").readlink())
+    except FileNotFoundError:
+        target = ""
+    assert name not in target
+
+
 @pytest.mark.parametrize("populated", [False, True], ids=["fresh", "populated"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_write_from_host_writes_every_entry_through_the_file(source, populated, seed):
