@@ -296,12 +296,9 @@ class Arena:
         if self._device is not None:
             torch.cuda.set_device(self._device)
         if first.ready and first.reserved < first.capacity:
-            try:  # stages may write into this slot meanwhile: allocate, never touch
-                size = int(first.segment.mapped_size)
-                for start in range(0, size, _POPULATE_PIECE):
-                    if self.closed:
-                        return
-                    first.allocate(start, min(_POPULATE_PIECE, size - start))
+            try:
+                if not self._fill(first, in_use=True):
+                    return
                 first.note_reserved(first.capacity)
             except Exception as exc:
                 logger.warning(
@@ -333,14 +330,20 @@ class Arena:
                 self._cond.notify_all()
             logger.debug("arena %s: slot %d ready", self.name, slot.index)
 
-    def _fill(self, slot: Slot) -> bool:
-        """Allocate and map every page of `slot`, in pieces (touching them where the kernel cannot
-        map them: only for a slot nothing uses yet); False if the arena closed first."""
+    def _fill(self, slot: Slot, *, in_use: bool = False) -> bool:
+        """Allocate and map every page of `slot`, in pieces; False if the arena closed first. A
+        slot that stages may write into meanwhile (`in_use`) is allocated without a page being
+        touched; another is populated on the thread pool, which touches pages where the kernel
+        cannot map them."""
         size, address = int(slot.segment.mapped_size), int(slot.segment.address)
         for start in range(0, size, _POPULATE_PIECE):
             if self.closed:
                 return False
-            populate(address + start, min(_POPULATE_PIECE, size - start))
+            piece = min(_POPULATE_PIECE, size - start)
+            if in_use:
+                slot.allocate(start, piece)
+            else:
+                populate(address + start, piece)
         return True
 
     @property

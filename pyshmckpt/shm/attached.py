@@ -74,9 +74,9 @@ class AttachedSegments:
         self._segments: dict[str, Segment] = {}
         self._mapped: dict[str, int] = {}  # bytes from each segment's start mapped so far
         self._known: set[str] = set()
-        # Reentrant: the parent-death signal handler runs on the main thread and may interrupt
-        # it while it already holds the lock (in unlink_all on channel EOF).
-        self._lock = threading.RLock()
+        # Taken by the main loop and by the orphan's watchdog thread (unlink_all); never by a
+        # signal handler (the parent-death one only wakes the watch thread).
+        self._lock = threading.Lock()
 
     def sync(self, described: Iterable[tuple[str, int, bytes]]) -> None:
         """Attach newly described segments ((name, data size, token), as
