@@ -226,3 +226,64 @@ def test_stager_without_capacity_creates_its_other_slots_in_the_background():
         assert [slot.ready for slot in stager.arena.slots] == [True, True]
         assert torch.equal(staged["w"], torch.arange(1000))
         assert torch.equal(again["w"], torch.arange(1000) + 1)
+
+
+# The child runs in its own mount namespace with an 8 MiB tmpfs over /dev/shm: a slot (4 MiB, the
+# slot granularity) is created while the space is free (its pages are not allocated), then another
+# file takes 6 MiB, leaving too little for the 3 MiB the slot is then written.
+_FULL_SHM_CHILD = """
+import errno, os
+import numpy as np
+import torch
+from pyshmckpt import Arena, PyshmckptOSError
+
+MIB = 1 << 20
+
+
+def check(ok, what):  # not assert: the suite also runs under PYTHONOPTIMIZE, which children inherit
+    if not ok:
+        raise SystemExit(f"failed: {what}")
+
+
+arena = Arena(3 * MIB, 1, pin=False, background=True)
+slot = arena.slots[0]
+source = np.arange(3 * MIB // 8, dtype=np.uint64)
+rows = np.array([[source.ctypes.data, 0, source.nbytes]], dtype=np.uint64)
+with open("/dev/shm/filler", "wb") as filler:
+    filler.write(bytes(6 * MIB))
+for attempt in (lambda: slot.fill_from_host(rows, source.nbytes),
+                lambda: slot.allocate(0, slot.offset + source.nbytes)):
+    try:
+        attempt()
+    except PyshmckptOSError as exc:
+        check(isinstance(exc, OSError) and exc.errno == errno.ENOSPC, repr(exc))
+        check("not enough shared memory" in str(exc), str(exc))
+    else:
+        raise SystemExit("no error on a full /dev/shm")
+    check(slot.reserved == 0, f"reserved {slot.reserved} after a failed write")
+os.unlink("/dev/shm/filler")
+slot.fill_from_host(rows, source.nbytes)  # the same slot, once there is room
+check(slot.reserved == source.nbytes, f"reserved {slot.reserved}")
+start = slot.offset // 8
+check(np.array_equal(slot.base(torch.uint64)[start : start + len(source)].numpy(), source), "data")
+arena.close()
+print("ok")
+"""
+
+
+def test_a_full_dev_shm_fails_a_slot_write_cleanly_and_the_slot_is_written_once_there_is_room():
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare to make a small /dev/shm")
+    script = 'mount -t tmpfs -o size=8m tmpfs /dev/shm || exit 77; exec "$0" -c "$1"'
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, sys.executable, _FULL_SHM_CHILD],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    if done.returncode == 77 or "unshare failed" in done.stderr:
+        pytest.skip(f"cannot mount a small /dev/shm: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
