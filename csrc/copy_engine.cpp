@@ -1,5 +1,6 @@
 #include "copy_engine.h"
 
+#include <sys/mman.h>
 #include <sys/uio.h>
 
 #include <algorithm>
@@ -7,6 +8,7 @@
 #include <climits>
 #include <chrono>
 #include <cstring>
+#include <exception>
 #include <string>
 #include <thread>
 #include <vector>
@@ -72,16 +74,17 @@ void pwritev_all(int fd, std::vector<iovec>& iov, off_t position, const std::str
 
 }  // namespace
 
-void write_host_through_file(Segment& segment, const CopyEntry* entries, std::size_t count) {
-  if (segment.closed()) throw ArgumentError("segment '" + segment.name() + "' is closed");
-  check_destinations(segment, entries, count);
-  std::vector<CopyEntry> sorted;
-  sorted.reserve(count);
-  for (std::size_t i = 0; i < count; ++i) {
-    if (entries[i].nbytes > 0) sorted.push_back(entries[i]);
-  }
-  std::sort(sorted.begin(), sorted.end(),
-            [](const CopyEntry& a, const CopyEntry& b) { return a.dst < b.dst; });
+// Batches at least this large are split between the calling thread, writing through the file, and
+// a helper thread filling the rest through the mapping; the file takes this share of the bytes, as
+// the helper must also zero each page before copying into it (256 MiB on a 2-core VM: 98 ms on one
+// thread, 77-81 ms split so, 85-90 ms split in halves).
+constexpr std::uint64_t kSplitBytes = std::uint64_t{32} << 20;
+constexpr double kFileShare = 0.625;
+
+namespace {
+
+// Writes entries sorted by destination through the segment's file, adjacent ones in one pwritev.
+void pwrite_sorted(Segment& segment, const std::vector<CopyEntry>& sorted) {
   std::vector<iovec> iov;
   for (std::size_t i = 0; i < sorted.size();) {
     const std::uint64_t start = sorted[i].dst;
@@ -93,6 +96,115 @@ void write_host_through_file(Segment& segment, const CopyEntry* entries, std::si
     }
     pwritev_all(segment.held_fd(), iov, static_cast<off_t>(start), segment.name());
   }
+}
+
+// Moves the bytes of `head` (sorted by destination, `total` bytes) from the page boundary below
+// which about kFileShare of them lie into `tail`, cutting the entry that straddles it; no page
+// then holds bytes of both. Leaves both as they are when no boundary falls inside the batch.
+void split_at_page(std::vector<CopyEntry>& head, std::vector<CopyEntry>& tail, std::uint64_t total) {
+  const std::uint64_t page = page_size();
+  const auto wanted = static_cast<std::uint64_t>(static_cast<double>(total) * kFileShare);
+  std::uint64_t before = 0;
+  std::size_t i = 0;
+  while (i < head.size() && before + head[i].nbytes <= wanted) before += head[i++].nbytes;
+  if (i == head.size()) return;
+  const std::uint64_t cut = (head[i].dst + (wanted - before) + page - 1) / page * page;
+  std::size_t first_tail = i;
+  while (first_tail < head.size() && head[first_tail].dst + head[first_tail].nbytes <= cut) {
+    ++first_tail;
+  }
+  if (first_tail == head.size()) return;
+  CopyEntry& straddler = head[first_tail];
+  std::size_t keep = first_tail;
+  if (straddler.dst < cut) {  // its bytes from `cut` on go to the tail
+    const std::uint64_t below = cut - straddler.dst;
+    tail.push_back({straddler.src + below, cut, straddler.nbytes - below});
+    straddler.nbytes = below;
+    ++keep;
+    ++first_tail;
+  }
+  tail.insert(tail.end(), head.begin() + static_cast<std::ptrdiff_t>(first_tail), head.end());
+  head.resize(keep);
+}
+
+// Fills entries (sorted by destination) through the mapping: maps and allocates their pages with
+// MADV_POPULATE_WRITE, which fails where a full /dev/shm would raise SIGBUS on a touch, then copies
+// the bytes in. False, with nothing written, on kernels without it (before 5.14).
+bool fill_through_mapping(Segment& segment, const std::vector<CopyEntry>& sorted) {
+  const std::uint64_t page = page_size();
+  std::uint64_t end = 0, total = 0;
+  for (const CopyEntry& e : sorted) {
+    end = std::max(end, e.dst + e.nbytes);
+    total += e.nbytes;
+  }
+  const std::uint64_t start = sorted.front().dst / page * page;
+  end = std::min<std::uint64_t>((end + page - 1) / page * page, segment.mapped_size());
+  std::uint8_t* base = segment.base();
+  int rc;
+  do {
+    rc = madvise(base + start, end - start, MADV_POPULATE_WRITE);
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) {
+    const int err = errno;
+    if (err == EINVAL) return false;
+    if (err == EFAULT || err == ENOSPC) {
+      throw SyscallError(ENOSPC, "madvise(MADV_POPULATE_WRITE)", segment.name(),
+                         "not enough shared memory to fill the segment");
+    }
+    throw SyscallError(err, "madvise(MADV_POPULATE_WRITE)", segment.name(), std::strerror(err));
+  }
+  const bool streaming = total >= kStreamingBytes;
+  for (const CopyEntry& e : sorted) {
+    const auto* from = reinterpret_cast<const void*>(e.src);
+    if (streaming) {
+      stream_copy(base + e.dst, from, e.nbytes);
+    } else {
+      std::memcpy(base + e.dst, from, e.nbytes);
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+void write_host_through_file(Segment& segment, const CopyEntry* entries, std::size_t count) {
+  if (segment.closed()) throw ArgumentError("segment '" + segment.name() + "' is closed");
+  check_destinations(segment, entries, count);
+  std::vector<CopyEntry> head;
+  head.reserve(count);
+  std::uint64_t total = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    if (entries[i].nbytes > 0) head.push_back(entries[i]);
+    total += entries[i].nbytes;
+  }
+  std::sort(head.begin(), head.end(),
+            [](const CopyEntry& a, const CopyEntry& b) { return a.dst < b.dst; });
+  std::vector<CopyEntry> tail;
+  if (total >= kSplitBytes && ThreadPool::instance().num_threads() > 1) {
+    split_at_page(head, tail, total);
+  }
+  if (tail.empty()) {
+    pwrite_sorted(segment, head);
+    return;
+  }
+  bool filled = false;
+  std::exception_ptr error;
+  std::thread helper([&] {
+    try {
+      filled = fill_through_mapping(segment, tail);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  });
+  try {
+    pwrite_sorted(segment, head);
+  } catch (...) {
+    helper.join();
+    throw;
+  }
+  helper.join();
+  if (error) std::rethrow_exception(error);
+  if (!filled) pwrite_sorted(segment, tail);
 }
 
 void copy_host_unchecked(std::uint8_t* base, const CopyEntry* entries, std::size_t count) {

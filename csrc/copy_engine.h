@@ -36,7 +36,9 @@ void copy_host(Segment& segment, const CopyEntry* entries, std::size_t count);
 // adjacent in the segment in one call. For a segment whose pages were never allocated: tmpfs
 // allocates each page as the write fills it, with no zeroing, page fault or page-table entry
 // (about twice as fast as allocating every page and then copying), and a full /dev/shm is a
-// SyscallError(ENOSPC), not a SIGBUS. One thread: writes to one file take its inode lock.
+// SyscallError(ENOSPC), not a SIGBUS. Writes to one file take its inode lock, so a large batch is
+// split: the calling thread writes most of it through the file while a helper thread maps and
+// allocates the pages of the rest (MADV_POPULATE_WRITE: ENOSPC, not SIGBUS) and copies into them.
 // SAFETY: as copy_host; the caller holds an export of the segment (its descriptor stays open).
 void write_host_through_file(Segment& segment, const CopyEntry* entries, std::size_t count);
 

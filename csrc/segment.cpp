@@ -82,12 +82,12 @@ std::uint64_t process_start_ticks(pid_t pid) {
   return std::strtoull(field.c_str(), nullptr, 10);
 }
 
+}  // namespace
+
 std::size_t page_size() {
   static const std::size_t size = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
   return size;
 }
-
-}  // namespace
 
 void populate_pages(std::uint8_t* ptr, std::size_t nbytes, const std::string& name) {
   if (nbytes == 0) return;

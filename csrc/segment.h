@@ -103,6 +103,9 @@ class Segment {
   std::string pin_error_;
 };
 
+// The system's page size in bytes.
+std::size_t page_size();
+
 // Populates page tables (and allocates pages) for [ptr, ptr + nbytes) in parallel using
 // MADV_POPULATE_WRITE, falling back to touching one byte per page where the kernel lacks it.
 // SAFETY: `ptr` must point into a live, writable shared mapping of at least `nbytes` bytes that

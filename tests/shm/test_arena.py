@@ -228,9 +228,10 @@ def test_stager_without_capacity_creates_its_other_slots_in_the_background():
         assert torch.equal(again["w"], torch.arange(1000) + 1)
 
 
-# The child runs in its own mount namespace with an 8 MiB tmpfs over /dev/shm: a slot (4 MiB, the
-# slot granularity) is created while the space is free (its pages are not allocated), then another
-# file takes 6 MiB, leaving too little for the 3 MiB the slot is then written.
+# The child runs in its own mount namespace with a small tmpfs over /dev/shm: a slot is created
+# while the space is free (its pages are not allocated), then another file takes so much of it
+# that writing the slot fails: 4 MiB into 2 MiB free (one write through the file), 36 MiB into
+# 20 MiB free (split between the file and the mapping; either part may fail first).
 _FULL_SHM_CHILD = """
 import errno, os
 import numpy as np
@@ -245,12 +246,13 @@ def check(ok, what):  # not assert: the suite also runs under PYTHONOPTIMIZE, wh
         raise SystemExit(f"failed: {what}")
 
 
-arena = Arena(3 * MIB, 1, pin=False, background=True)
+SLOT, FILLER = SLOT_MIB * MIB, FILLER_MIB * MIB
+arena = Arena(SLOT, 1, pin=False, background=True)
 slot = arena.slots[0]
-source = np.arange(3 * MIB // 8, dtype=np.uint64)
+source = np.arange(SLOT // 8 - 512, dtype=np.uint64)
 rows = np.array([[source.ctypes.data, 0, source.nbytes]], dtype=np.uint64)
 with open("/dev/shm/filler", "wb") as filler:
-    filler.write(bytes(6 * MIB))
+    filler.write(bytes(FILLER))
 for attempt in (lambda: slot.fill_from_host(rows, source.nbytes),
                 lambda: slot.allocate(0, slot.offset + source.nbytes)):
     try:
@@ -271,16 +273,22 @@ print("ok")
 """
 
 
-def test_a_full_dev_shm_fails_a_slot_write_cleanly_and_the_slot_is_written_once_there_is_room():
+@pytest.mark.parametrize(
+    ("slot", "tmpfs", "filler"), [(4, 8, 6), (36, 80, 60)], ids=["file", "split"]
+)
+def test_a_full_dev_shm_fails_a_slot_write_cleanly_and_the_slot_is_written_once_there_is_room(
+    slot, tmpfs, filler
+):
     import shutil
     import subprocess
     import sys
 
     if shutil.which("unshare") is None:
         pytest.skip("no unshare to make a small /dev/shm")
-    script = 'mount -t tmpfs -o size=8m tmpfs /dev/shm || exit 77; exec "$0" -c "$1"'
+    script = f'mount -t tmpfs -o size={tmpfs}m tmpfs /dev/shm || exit 77; exec "$0" -c "$1"'
+    child = _FULL_SHM_CHILD.replace("SLOT_MIB", str(slot)).replace("FILLER_MIB", str(filler))
     done = subprocess.run(
-        ["unshare", "-m", "sh", "-c", script, sys.executable, _FULL_SHM_CHILD],
+        ["unshare", "-m", "sh", "-c", script, sys.executable, child],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     if done.returncode == 77 or "unshare failed" in done.stderr:
