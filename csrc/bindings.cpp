@@ -231,9 +231,9 @@ until this returns; the caller keeps the owning objects alive.
           R"doc(
 Write host memory into the segment through its file (pwritev), not its mapping: entries as for
 copy_from_host. For pages never allocated, twice as fast as allocating and then copying; a full
-/dev/shm raises OSError(ENOSPC). A batch of 32 MiB or more is split: about 3/8 of it (the end, in
-segment order) is mapped and copied by a helper thread meanwhile. GIL released. SAFETY: as
-copy_from_host.
+/dev/shm raises OSError(ENOSPC). A batch of 32 MiB or more is shared with a helper thread, which
+maps and copies 4 MiB pieces from its end while this one writes from its start. GIL released.
+SAFETY: as copy_from_host.
 )doc")
       .def(
           "copy_from_host_async",

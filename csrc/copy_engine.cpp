@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -74,70 +75,69 @@ void pwritev_all(int fd, std::vector<iovec>& iov, off_t position, const std::str
 
 }  // namespace
 
-// Batches at least this large are split between the calling thread, writing through the file, and
-// a helper thread filling the rest through the mapping; the file takes this share of the bytes, as
-// the helper must also zero each page before copying into it (256 MiB on a 2-core VM: 98 ms on one
-// thread, 77-81 ms split so, 85-90 ms split in halves).
-constexpr std::uint64_t kSplitBytes = std::uint64_t{32} << 20;
-constexpr double kFileShare = 0.625;
+// Batches at least this large are shared between the calling thread, writing pieces through the
+// file from the front, and a helper thread filling pieces through the mapping from the back, until
+// they meet. The helper must also zero each page before copying into it, and takes fewer pieces
+// when it gets less of a core (256 MiB on a 2-core VM: 96 ms on one thread, 64-66 ms shared).
+constexpr std::uint64_t kShareBytes = std::uint64_t{32} << 20;
+constexpr std::uint64_t kPieceBytes = std::uint64_t{4} << 20;  // a multiple of any page size
 
 namespace {
 
 // Writes entries sorted by destination through the segment's file, adjacent ones in one pwritev.
-void pwrite_sorted(Segment& segment, const std::vector<CopyEntry>& sorted) {
+void pwrite_sorted(Segment& segment, const CopyEntry* first, const CopyEntry* last) {
   std::vector<iovec> iov;
-  for (std::size_t i = 0; i < sorted.size();) {
-    const std::uint64_t start = sorted[i].dst;
+  while (first != last) {
+    const std::uint64_t start = first->dst;
     std::uint64_t end = start;
     iov.clear();
-    for (; i < sorted.size() && sorted[i].dst == end; ++i) {
-      iov.push_back({reinterpret_cast<void*>(sorted[i].src), sorted[i].nbytes});
-      end += sorted[i].nbytes;
+    for (; first != last && first->dst == end; ++first) {
+      iov.push_back({reinterpret_cast<void*>(first->src), first->nbytes});
+      end += first->nbytes;
     }
     pwritev_all(segment.held_fd(), iov, static_cast<off_t>(start), segment.name());
   }
 }
 
-// Moves the bytes of `head` (sorted by destination, `total` bytes) from the page boundary below
-// which about kFileShare of them lie into `tail`, cutting the entry that straddles it; no page
-// then holds bytes of both. Leaves both as they are when no boundary falls inside the batch.
-void split_at_page(std::vector<CopyEntry>& head, std::vector<CopyEntry>& tail, std::uint64_t total) {
-  const std::uint64_t page = page_size();
-  const auto wanted = static_cast<std::uint64_t>(static_cast<double>(total) * kFileShare);
-  std::uint64_t before = 0;
-  std::size_t i = 0;
-  while (i < head.size() && before + head[i].nbytes <= wanted) before += head[i++].nbytes;
-  if (i == head.size()) return;
-  const std::uint64_t cut = (head[i].dst + (wanted - before) + page - 1) / page * page;
-  std::size_t first_tail = i;
-  while (first_tail < head.size() && head[first_tail].dst + head[first_tail].nbytes <= cut) {
-    ++first_tail;
+// Entries sorted by destination, cut where destinations cross a multiple of kPieceBytes (counted
+// from the first one's page): piece p is entries[starts[p], starts[p + 1]), and no page holds bytes
+// of two pieces.
+struct Pieces {
+  std::vector<CopyEntry> entries;
+  std::vector<std::size_t> starts;
+
+  explicit Pieces(const std::vector<CopyEntry>& sorted) {
+    const std::uint64_t origin = sorted.front().dst / page_size() * page_size();
+    std::uint64_t current = ~std::uint64_t{0};
+    for (CopyEntry e : sorted) {
+      while (e.nbytes > 0) {
+        const std::uint64_t piece = (e.dst - origin) / kPieceBytes;
+        const std::uint64_t n = std::min(e.nbytes, origin + (piece + 1) * kPieceBytes - e.dst);
+        if (piece != current) {
+          starts.push_back(entries.size());
+          current = piece;
+        }
+        entries.push_back({e.src, e.dst, n});
+        e.src += n;
+        e.dst += n;
+        e.nbytes -= n;
+      }
+    }
+    starts.push_back(entries.size());
   }
-  if (first_tail == head.size()) return;
-  CopyEntry& straddler = head[first_tail];
-  std::size_t keep = first_tail;
-  if (straddler.dst < cut) {  // its bytes from `cut` on go to the tail
-    const std::uint64_t below = cut - straddler.dst;
-    tail.push_back({straddler.src + below, cut, straddler.nbytes - below});
-    straddler.nbytes = below;
-    ++keep;
-    ++first_tail;
-  }
-  tail.insert(tail.end(), head.begin() + static_cast<std::ptrdiff_t>(first_tail), head.end());
-  head.resize(keep);
-}
+  std::size_t size() const { return starts.size() - 1; }
+  const CopyEntry* begin(std::size_t p) const { return entries.data() + starts[p]; }
+  const CopyEntry* end(std::size_t p) const { return entries.data() + starts[p + 1]; }
+};
 
 // Fills entries (sorted by destination) through the mapping: maps and allocates their pages with
 // MADV_POPULATE_WRITE, which fails where a full /dev/shm would raise SIGBUS on a touch, then copies
 // the bytes in. False, with nothing written, on kernels without it (before 5.14).
-bool fill_through_mapping(Segment& segment, const std::vector<CopyEntry>& sorted) {
+bool fill_through_mapping(Segment& segment, const CopyEntry* first, const CopyEntry* last) {
   const std::uint64_t page = page_size();
-  std::uint64_t end = 0, total = 0;
-  for (const CopyEntry& e : sorted) {
-    end = std::max(end, e.dst + e.nbytes);
-    total += e.nbytes;
-  }
-  const std::uint64_t start = sorted.front().dst / page * page;
+  std::uint64_t end = 0;
+  for (const CopyEntry* e = first; e != last; ++e) end = std::max(end, e->dst + e->nbytes);
+  const std::uint64_t start = first->dst / page * page;
   end = std::min<std::uint64_t>((end + page - 1) / page * page, segment.mapped_size());
   std::uint8_t* base = segment.base();
   int rc;
@@ -153,58 +153,86 @@ bool fill_through_mapping(Segment& segment, const std::vector<CopyEntry>& sorted
     }
     throw SyscallError(err, "madvise(MADV_POPULATE_WRITE)", segment.name(), std::strerror(err));
   }
-  const bool streaming = total >= kStreamingBytes;
-  for (const CopyEntry& e : sorted) {
-    const auto* from = reinterpret_cast<const void*>(e.src);
-    if (streaming) {
-      stream_copy(base + e.dst, from, e.nbytes);
-    } else {
-      std::memcpy(base + e.dst, from, e.nbytes);
-    }
+  for (const CopyEntry* e = first; e != last; ++e) {
+    stream_copy(base + e->dst, reinterpret_cast<const void*>(e->src), e->nbytes);
   }
   return true;
 }
+
+// Pieces claimed from both ends: the file's from the front, the mapping's from the back.
+class PieceQueue {
+ public:
+  explicit PieceQueue(std::size_t count) : back_(count) {}
+  // The next piece from the front (or the back), or false once they have met or work stopped.
+  bool front(std::size_t* piece) { return take(piece, true); }
+  bool back(std::size_t* piece) { return take(piece, false); }
+  void stop() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopped_ = true;
+  }
+
+ private:
+  bool take(std::size_t* piece, bool from_front) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopped_ || front_ >= back_) return false;
+    *piece = from_front ? front_++ : --back_;
+    return true;
+  }
+  std::mutex mutex_;
+  std::size_t front_ = 0;
+  std::size_t back_;
+  bool stopped_ = false;
+};
 
 }  // namespace
 
 void write_host_through_file(Segment& segment, const CopyEntry* entries, std::size_t count) {
   if (segment.closed()) throw ArgumentError("segment '" + segment.name() + "' is closed");
   check_destinations(segment, entries, count);
-  std::vector<CopyEntry> head;
-  head.reserve(count);
+  std::vector<CopyEntry> sorted;
+  sorted.reserve(count);
   std::uint64_t total = 0;
   for (std::size_t i = 0; i < count; ++i) {
-    if (entries[i].nbytes > 0) head.push_back(entries[i]);
+    if (entries[i].nbytes > 0) sorted.push_back(entries[i]);
     total += entries[i].nbytes;
   }
-  std::sort(head.begin(), head.end(),
+  std::sort(sorted.begin(), sorted.end(),
             [](const CopyEntry& a, const CopyEntry& b) { return a.dst < b.dst; });
-  std::vector<CopyEntry> tail;
-  if (total >= kSplitBytes && ThreadPool::instance().num_threads() > 1) {
-    split_at_page(head, tail, total);
-  }
-  if (tail.empty()) {
-    pwrite_sorted(segment, head);
+  if (total < kShareBytes || ThreadPool::instance().num_threads() < 2) {
+    pwrite_sorted(segment, sorted.data(), sorted.data() + sorted.size());
     return;
   }
-  bool filled = false;
+  const Pieces pieces(sorted);
+  PieceQueue queue(pieces.size());
   std::exception_ptr error;
+  std::size_t left = pieces.size();  // a piece the helper took but could not map (old kernel)
   std::thread helper([&] {
+    std::size_t p;
     try {
-      filled = fill_through_mapping(segment, tail);
+      while (queue.back(&p)) {
+        if (!fill_through_mapping(segment, pieces.begin(p), pieces.end(p))) {
+          left = p;
+          return;
+        }
+      }
     } catch (...) {
       error = std::current_exception();
+      queue.stop();
     }
   });
   try {
-    pwrite_sorted(segment, head);
+    std::size_t p;
+    while (queue.front(&p)) pwrite_sorted(segment, pieces.begin(p), pieces.end(p));
   } catch (...) {
+    queue.stop();
     helper.join();
     throw;
   }
   helper.join();
   if (error) std::rethrow_exception(error);
-  if (!filled) pwrite_sorted(segment, tail);
+  if (left < pieces.size()) {  // and the helper stopped there: the front went on to meet it
+    pwrite_sorted(segment, pieces.begin(left), pieces.end(left));
+  }
 }
 
 void copy_host_unchecked(std::uint8_t* base, const CopyEntry* entries, std::size_t count) {

@@ -37,8 +37,9 @@ void copy_host(Segment& segment, const CopyEntry* entries, std::size_t count);
 // allocates each page as the write fills it, with no zeroing, page fault or page-table entry
 // (about twice as fast as allocating every page and then copying), and a full /dev/shm is a
 // SyscallError(ENOSPC), not a SIGBUS. Writes to one file take its inode lock, so a large batch is
-// split: the calling thread writes most of it through the file while a helper thread maps and
-// allocates the pages of the rest (MADV_POPULATE_WRITE: ENOSPC, not SIGBUS) and copies into them.
+// shared: the calling thread writes 4 MiB pieces through the file from its start while a helper
+// thread maps and allocates the pages of pieces from its end (MADV_POPULATE_WRITE: ENOSPC, not
+// SIGBUS) and copies into them, until they meet.
 // SAFETY: as copy_host; the caller holds an export of the segment (its descriptor stays open).
 void write_host_through_file(Segment& segment, const CopyEntry* entries, std::size_t count);
 
