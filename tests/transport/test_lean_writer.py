@@ -132,3 +132,22 @@ def test_the_writer_imports_the_trainers_pyshmckpt_whatever_the_working_director
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "saved"
     assert (tmp_path / "ckpt" / "one" / "rank0.safetensors").is_file()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("users", [None, "3"], ids=["default", "user-set"])
+def test_the_writer_process_starts_no_openblas_threads_unless_asked(tmp_path, monkeypatch, users):
+    import os
+    from pathlib import Path
+
+    import pyshmckpt
+
+    if users is None:
+        monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OPENBLAS_NUM_THREADS", users)
+    with pyshmckpt.Checkpointer(tmp_path) as checkpointer:
+        checkpointer.wait_for_writer(timeout=30)
+        environ = Path(f"/proc/{checkpointer.writer_pid}/environ").read_bytes().split(b"\0")
+    assert f"OPENBLAS_NUM_THREADS={users or 1}".encode() in environ
+    assert os.environ.get("OPENBLAS_NUM_THREADS") == users  # the trainer's own is untouched
