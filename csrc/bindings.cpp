@@ -47,13 +47,13 @@ class MappingUse {
 
 // Runs `fill` (copy_host, write_host_through_file) over (n, 3) host entries, the segment's
 // mapping kept alive and the GIL released meanwhile.
-void run_host_entries(Segment& s, const U64Array& entries,
-                      void (*fill)(Segment&, const CopyEntry*, std::size_t)) {
+template <typename Fill>
+auto run_host_entries(Segment& s, const U64Array& entries, Fill fill) {
   std::size_t count = 0;
   const CopyEntry* e = entries_of(entries, &count);
   MappingUse use(s);
   py::gil_scoped_release release;
-  fill(s, e, count);
+  return fill(s, e, count);
 }
 
 int segment_getbuffer(PyObject* obj, Py_buffer* view, int flags) {
@@ -225,15 +225,16 @@ until this returns; the caller keeps the owning objects alive.
       .def(
           "write_from_host",
           [](Segment& s, const U64Array& entries) {
-            run_host_entries(s, entries, write_host_through_file);
+            return run_host_entries(s, entries, write_host_through_file);
           },
           py::arg("entries"),
           R"doc(
 Write host memory into the segment through its file (pwritev), not its mapping: entries as for
 copy_from_host. For pages never allocated, twice as fast as allocating and then copying; a full
 /dev/shm raises OSError(ENOSPC). A batch of 32 MiB or more is shared with a helper thread, which
-maps and copies 4 MiB pieces from its end while this one writes from its start. GIL released.
-SAFETY: as copy_from_host.
+maps and copies 4 MiB pieces from its end while this one writes from its start; returns the bytes
+the helper filled (0 for a batch written through the file alone). GIL released. SAFETY: as
+copy_from_host.
 )doc")
       .def(
           "copy_from_host_async",

@@ -9,8 +9,10 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -99,20 +101,19 @@ void pwrite_sorted(Segment& segment, const CopyEntry* first, const CopyEntry* la
   }
 }
 
-// Entries sorted by destination, cut where destinations cross a multiple of kPieceBytes (counted
-// from the first one's page): piece p is entries[starts[p], starts[p + 1]), and no page holds bytes
-// of two pieces.
+// Entries sorted by destination, cut where destinations cross a multiple of kPieceBytes (of the
+// mapping's offsets, so that pieces line up with huge pages too): piece p is entries[starts[p],
+// starts[p + 1]), and no page holds bytes of two pieces.
 struct Pieces {
   std::vector<CopyEntry> entries;
   std::vector<std::size_t> starts;
 
   explicit Pieces(const std::vector<CopyEntry>& sorted) {
-    const std::uint64_t origin = sorted.front().dst / page_size() * page_size();
     std::uint64_t current = ~std::uint64_t{0};
     for (CopyEntry e : sorted) {
       while (e.nbytes > 0) {
-        const std::uint64_t piece = (e.dst - origin) / kPieceBytes;
-        const std::uint64_t n = std::min(e.nbytes, origin + (piece + 1) * kPieceBytes - e.dst);
+        const std::uint64_t piece = e.dst / kPieceBytes;
+        const std::uint64_t n = std::min(e.nbytes, (piece + 1) * kPieceBytes - e.dst);
         if (piece != current) {
           starts.push_back(entries.size());
           current = piece;
@@ -126,13 +127,22 @@ struct Pieces {
     starts.push_back(entries.size());
   }
   std::size_t size() const { return starts.size() - 1; }
+  std::uint64_t bytes(std::size_t p) const {
+    std::uint64_t n = 0;
+    for (const CopyEntry* e = begin(p); e != end(p); ++e) n += e->nbytes;
+    return n;
+  }
   const CopyEntry* begin(std::size_t p) const { return entries.data() + starts[p]; }
   const CopyEntry* end(std::size_t p) const { return entries.data() + starts[p + 1]; }
 };
 
+// Set once MADV_POPULATE_WRITE was found missing (kernels before 5.14): later batches go through
+// the file alone.
+std::atomic<bool> populate_write_missing{false};
+
 // Fills entries (sorted by destination) through the mapping: maps and allocates their pages with
 // MADV_POPULATE_WRITE, which fails where a full /dev/shm would raise SIGBUS on a touch, then copies
-// the bytes in. False, with nothing written, on kernels without it (before 5.14).
+// the bytes in. False, with nothing written, on kernels without it.
 bool fill_through_mapping(Segment& segment, const CopyEntry* first, const CopyEntry* last) {
   const std::uint64_t page = page_size();
   std::uint64_t end = 0;
@@ -146,10 +156,13 @@ bool fill_through_mapping(Segment& segment, const CopyEntry* first, const CopyEn
   } while (rc != 0 && errno == EINTR);
   if (rc != 0) {
     const int err = errno;
-    if (err == EINVAL) return false;
-    if (err == EFAULT || err == ENOSPC) {
+    if (err == EINVAL) {
+      populate_write_missing.store(true, std::memory_order_relaxed);
+      return false;
+    }
+    if (err == EFAULT || err == ENOSPC) {  // EFAULT: where a touch would have raised SIGBUS
       throw SyscallError(ENOSPC, "madvise(MADV_POPULATE_WRITE)", segment.name(),
-                         "not enough shared memory to fill the segment");
+                         "not enough shared memory to fill the segment (or its file was cut short)");
     }
     throw SyscallError(err, "madvise(MADV_POPULATE_WRITE)", segment.name(), std::strerror(err));
   }
@@ -184,9 +197,54 @@ class PieceQueue {
   bool stopped_ = false;
 };
 
+// The helper thread of a shared write: it fills pieces from the back until the queue meets or
+// stops; the destructor stops the queue and joins it, whatever the caller's thread is doing.
+class MappingHelper {
+ public:
+  MappingHelper(Segment& segment, const Pieces& pieces, PieceQueue& queue)
+      : queue_(queue), left_(pieces.size()) {
+    thread_ = std::thread([this, &segment, &pieces] {
+      std::size_t p;
+      try {
+        while (queue_.back(&p)) {
+          if (!fill_through_mapping(segment, pieces.begin(p), pieces.end(p))) {
+            left_ = p;  // not written: the caller writes it through the file
+            return;
+          }
+          filled_ += pieces.bytes(p);
+        }
+      } catch (...) {
+        error_ = std::current_exception();
+        queue_.stop();
+      }
+    });
+  }
+  ~MappingHelper() { finish(); }
+  MappingHelper(const MappingHelper&) = delete;
+  MappingHelper& operator=(const MappingHelper&) = delete;
+
+  // Joins the helper; then `left`, `filled` and `error` are its results.
+  void finish() noexcept {
+    if (!thread_.joinable()) return;
+    queue_.stop();  // once the caller's thread is done, or failed: nothing more is taken
+    thread_.join();
+  }
+  std::size_t left() const { return left_; }
+  std::uint64_t filled() const { return filled_; }
+  std::exception_ptr error() const { return error_; }
+
+ private:
+  PieceQueue& queue_;
+  std::size_t left_;
+  std::uint64_t filled_ = 0;
+  std::exception_ptr error_;
+  std::thread thread_;
+};
+
 }  // namespace
 
-void write_host_through_file(Segment& segment, const CopyEntry* entries, std::size_t count) {
+std::uint64_t write_host_through_file(Segment& segment, const CopyEntry* entries,
+                                      std::size_t count) {
   if (segment.closed()) throw ArgumentError("segment '" + segment.name() + "' is closed");
   check_destinations(segment, entries, count);
   std::vector<CopyEntry> sorted;
@@ -198,41 +256,29 @@ void write_host_through_file(Segment& segment, const CopyEntry* entries, std::si
   }
   std::sort(sorted.begin(), sorted.end(),
             [](const CopyEntry& a, const CopyEntry& b) { return a.dst < b.dst; });
-  if (total < kShareBytes || ThreadPool::instance().num_threads() < 2) {
+  if (total < kShareBytes || ThreadPool::instance().num_threads() < 2 ||
+      populate_write_missing.load(std::memory_order_relaxed)) {
     pwrite_sorted(segment, sorted.data(), sorted.data() + sorted.size());
-    return;
+    return 0;
   }
   const Pieces pieces(sorted);
   PieceQueue queue(pieces.size());
-  std::exception_ptr error;
-  std::size_t left = pieces.size();  // a piece the helper took but could not map (old kernel)
-  std::thread helper([&] {
-    std::size_t p;
-    try {
-      while (queue.back(&p)) {
-        if (!fill_through_mapping(segment, pieces.begin(p), pieces.end(p))) {
-          left = p;
-          return;
-        }
-      }
-    } catch (...) {
-      error = std::current_exception();
-      queue.stop();
-    }
-  });
+  std::unique_ptr<MappingHelper> helper;
   try {
-    std::size_t p;
-    while (queue.front(&p)) pwrite_sorted(segment, pieces.begin(p), pieces.end(p));
-  } catch (...) {
-    queue.stop();
-    helper.join();
-    throw;
+    helper = std::make_unique<MappingHelper>(segment, pieces, queue);
+  } catch (const std::system_error&) {  // no thread to be had (a process or thread limit)
+    pwrite_sorted(segment, sorted.data(), sorted.data() + sorted.size());
+    return 0;
   }
-  helper.join();
-  if (error) std::rethrow_exception(error);
-  if (left < pieces.size()) {  // and the helper stopped there: the front went on to meet it
+  std::size_t p;
+  while (queue.front(&p)) pwrite_sorted(segment, pieces.begin(p), pieces.end(p));
+  helper->finish();
+  if (helper->error()) std::rethrow_exception(helper->error());
+  const std::size_t left = helper->left();
+  if (left < pieces.size()) {  // the helper stopped there; the front went on to meet it
     pwrite_sorted(segment, pieces.begin(left), pieces.end(left));
   }
+  return helper->filled();
 }
 
 void copy_host_unchecked(std::uint8_t* base, const CopyEntry* entries, std::size_t count) {

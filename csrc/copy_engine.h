@@ -29,7 +29,8 @@ void copy_host_unchecked(std::uint8_t* base, const CopyEntry* entries, std::size
 // Copies host entries with the process thread pool. Large entries are split across threads and
 // small ones are batched, so the work is balanced by bytes rather than by entry.
 // SAFETY: every `src` must be readable for `nbytes` bytes and stay alive and unmodified until this
-// returns; sources must not overlap the destinations.
+// returns; sources must not overlap the destinations, nor destinations each other (which entry's
+// bytes land is unspecified otherwise).
 void copy_host(Segment& segment, const CopyEntry* entries, std::size_t count);
 
 // Writes host entries into the segment through its file (pwritev) rather than its mapping, entries
@@ -39,9 +40,11 @@ void copy_host(Segment& segment, const CopyEntry* entries, std::size_t count);
 // SyscallError(ENOSPC), not a SIGBUS. Writes to one file take its inode lock, so a large batch is
 // shared: the calling thread writes 4 MiB pieces through the file from its start while a helper
 // thread maps and allocates the pages of pieces from its end (MADV_POPULATE_WRITE: ENOSPC, not
-// SIGBUS) and copies into them, until they meet.
+// SIGBUS) and copies into them, until they meet. Returns the bytes the helper filled. Destinations
+// must not overlap (which entry's bytes land is unspecified otherwise, as for copy_host).
 // SAFETY: as copy_host; the caller holds an export of the segment (its descriptor stays open).
-void write_host_through_file(Segment& segment, const CopyEntry* entries, std::size_t count);
+std::uint64_t write_host_through_file(Segment& segment, const CopyEntry* entries,
+                                      std::size_t count);
 
 // A host copy running on a background thread (which drives the thread pool), so that the caller
 // can do other work meanwhile. Entries are checked and copied in by the constructor. The caller

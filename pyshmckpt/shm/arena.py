@@ -146,10 +146,13 @@ class Slot:
         whose pages were never allocated: the kernel allocates each as the write fills it (no
         zeroing, no page fault), twice as fast as `reserve` and a copy; a full /dev/shm raises."""
         try:
-            self.segment.write_from_host(_shift(rows, self.offset))
+            mapped = self.segment.write_from_host(_shift(rows, self.offset))
         except OSError as exc:
             raise from_os_error(exc, f"cannot fill slot {self.name}") from exc
         self.note_reserved(nbytes)
+        logger.debug(
+            "filled slot %s: %d bytes, %d of them through its mapping", self.name, nbytes, mapped
+        )
 
     def reserve(self, nbytes: int) -> None:
         """Allocate and map the pages of the slot's first `nbytes` bytes if they are not yet."""
