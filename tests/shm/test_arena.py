@@ -11,6 +11,8 @@ import torch
 from pyshmckpt import Arena, SlotsBusyError, SlotState, SlotStateError, StagerClosedError
 from pyshmckpt.shm.arena import _TRANSITIONS
 
+from helpers import child_env
+
 MIB = 1 << 20
 SHM = Path("/dev/shm")
 
@@ -279,7 +281,7 @@ print("ok")
     ("slot", "tmpfs", "filler"), [(4, 8, 6), (36, 80, 60)], ids=["file", "split"]
 )
 def test_a_full_dev_shm_fails_a_slot_write_cleanly_and_the_slot_is_written_once_there_is_room(
-    slot, tmpfs, filler
+    tmp_path, slot, tmpfs, filler
 ):
     import shutil
     import subprocess
@@ -291,7 +293,7 @@ def test_a_full_dev_shm_fails_a_slot_write_cleanly_and_the_slot_is_written_once_
     child = _FULL_SHM_CHILD.replace("SLOT_MIB", str(slot)).replace("FILLER_MIB", str(filler))
     done = subprocess.run(
         ["unshare", "-m", "sh", "-c", script, sys.executable, child],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, env=child_env(), cwd=str(tmp_path),
     )  # fmt: skip
     if done.returncode == 77 or "unshare failed" in done.stderr:
         pytest.skip(f"cannot mount a small /dev/shm, or one thread: {done.stderr.strip()}")
