@@ -1009,8 +1009,8 @@ def test_write_from_host_writes_every_entry_through_the_file(source, populated, 
 def test_write_from_host_shares_a_large_batch_between_the_file_and_the_mapping(
     source, threads, populated, seed
 ):
-    # 32 MiB or more with two threads: 4 MiB pieces (cut at page boundaries inside entries) go
-    # through the file from the front and through the mapping from the back until they meet.
+    # 32 MiB or more with two threads: 4 MiB pieces (of the mapping's offsets, cutting entries)
+    # go through the file from the front and through the mapping from the back until they meet.
     _C.set_num_threads(threads)
     rng = np.random.default_rng(seed + 10)
     sizes = mixed_sizes(rng) + [int(n) for n in rng.integers(4 * MIB, 6 * MIB, 11)]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -283,10 +286,6 @@ print("ok")
 def test_a_full_dev_shm_fails_a_slot_write_cleanly_and_the_slot_is_written_once_there_is_room(
     tmp_path, slot, tmpfs, filler
 ):
-    import shutil
-    import subprocess
-    import sys
-
     if shutil.which("unshare") is None:
         pytest.skip("no unshare to make a small /dev/shm")
     script = f'mount -t tmpfs -o size={tmpfs}m tmpfs /dev/shm || exit 77; exec "$0" -c "$1"'
