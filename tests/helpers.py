@@ -205,20 +205,10 @@ def small_tmpfs(path: Path, size: str = "2m", read_only: bool = False) -> Iterat
             subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
 
 
-def buffer_bases(buffer: Any) -> Callable[[torch.dtype], torch.Tensor]:
-    """``bases`` for pyshmckpt.staging.manifest.rebuild over any writable buffer (an attached
-    segment, a bytearray), zero-copy; the tensors keep the buffer exported while they live."""
-    raw = torch.frombuffer(buffer, dtype=torch.uint8)
-    cache: dict[torch.dtype, torch.Tensor] = {torch.uint8: raw}
-
-    def bases(dtype: torch.dtype) -> torch.Tensor:
-        base = cache.get(dtype)
-        if base is None:
-            count = raw.numel() // dtype.itemsize
-            base = cache[dtype] = raw[: count * dtype.itemsize].view(dtype)
-        return base
-
-    return bases
+def buffer_storage(buffer: Any) -> torch.UntypedStorage:
+    """A storage over any writable buffer (an attached segment, a bytearray), zero-copy, for
+    pyshmckpt.staging.manifest.rebuild; it keeps the buffer exported while it lives."""
+    return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
 
 
 # -- state dicts and checkpoint files ---------------------------------------------------------

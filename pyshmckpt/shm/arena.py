@@ -15,6 +15,7 @@ writing into a slot keep it from being reused until they complete.
 from __future__ import annotations
 
 import enum
+import gc
 import logging
 import sys
 import threading
@@ -36,7 +37,7 @@ from ..errors import (
     StagerClosedError,
     from_os_error,
 )
-from . import cuda
+from . import cuda, sharing
 from .address import SlotAddress
 from .native import CopyEvent, HostCopy, Segment, populate
 
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 # Bytes faulted in per call by the background thread: close() waits for one such call at most.
 _POPULATE_PIECE = 64 << 20
+# Seconds between runs of the cycle collector while a stage waits for a slot (see Arena.acquire).
+_COLLECT_EVERY = 0.5
 
 
 class SlotState(enum.Enum):
@@ -72,9 +75,10 @@ class Slot:
     """One shared-memory segment holding one staged state dict at a time.
 
     Data starts at byte `offset` of the segment. `storage` is a mapping of the whole segment made
-    by torch's own allocator from the segment's file descriptor, so torch's multiprocessing pickler
-    sends a staged state dict as this one descriptor instead of copying it. Copies into the slot
-    take rows of (source address, offset from the slot start, nbytes).
+    by torch's own allocator from the segment's file descriptor; each staged block is a slice of
+    it (a storage of its own that shares its bytes and keeps it alive), which torch's
+    multiprocessing pickler sends as this one descriptor and the slice's bounds (`sharing`).
+    Copies into the slot take rows of (source address, offset from the slot start, nbytes).
 
     `manifest` and `staged_id` describe the state dict staged here; the stager sets them, and the
     arena clears them when the slot is freed.
@@ -106,6 +110,7 @@ class Slot:
         except BaseException:
             self.segment.close()
             raise
+        sharing.register_slot(self.storage)
         self._bases: dict[torch.dtype, torch.Tensor] = {}
         self._baseline = _torch_private.storage_use_count(self.storage)
         self.base(torch.uint8)
@@ -194,6 +199,7 @@ class Slot:
         for event in self.pending:  # device copies must not land in unmapped memory
             event.wait(knobs.device_copy_timeout())
         self.pending = []
+        sharing.unregister_slot(self.storage)
         self._bases.clear()
         self.segment.close()
 
@@ -245,6 +251,7 @@ class Arena:
         self.slots: list[Slot] = []
         self._cond = threading.Condition()
         self.closed = False
+        self._writing_at_close: list[Slot] = []  # leased slots whose close waits for the lease
         self._creator: threading.Thread | None = None
         # The background thread pins on the caller's device (a new thread's current one is 0).
         self._device = torch.cuda.current_device() if pin and torch.cuda.is_available() else None
@@ -364,11 +371,17 @@ class Arena:
                     f"slot {slot.index} of {self.name} cannot go from {slot.state.value} "
                     f"to {state.value}"
                 )
+            leaving_write = slot.state is SlotState.WRITING and state is not SlotState.WRITING
             slot.state = state
             if state is SlotState.FREE:
                 slot.manifest = None
                 slot.staged_id = None
             self._cond.notify_all()
+            close_now = self.closed and leaving_write and slot in self._writing_at_close
+            if close_now:
+                self._writing_at_close.remove(slot)
+        if close_now:  # the writer is done with it: what close() left for it happens now
+            slot.close()
 
     def _available(self, slot: Slot) -> bool:
         if slot.state is SlotState.READY and not slot.referenced():
@@ -379,10 +392,17 @@ class Arena:
         return slot.state is SlotState.FREE and not slot.copies_pending()
 
     def acquire(self, generation: int, timeout: float) -> Slot:
-        """Take a free slot into STAGING, waiting up to `timeout` seconds for one to free up."""
+        """Take a free slot into STAGING, waiting up to `timeout` seconds for one to free up.
+
+        A staged state dict that only a reference cycle still holds (torch's AsyncCheckpointer
+        leaves its staged dicts in cycles of Futures and callbacks) keeps its slot until the cycle
+        collector runs: while no slot is free, the collector is run at once and then every
+        `_COLLECT_EVERY` seconds of the wait.
+        """
         deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
+        collected: float | None = None
+        while True:
+            with self._cond:
                 if self.closed:
                     raise StagerClosedError(f"arena {self.name} is closed")
                 for slot in self.slots:
@@ -390,16 +410,24 @@ class Arena:
                         slot.state = SlotState.STAGING
                         slot.generation = generation
                         return slot
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                now = time.monotonic()
+                remaining = deadline - now
+                collect = any(s.state is SlotState.READY for s in self.slots) and (
+                    collected is None or now - collected >= _COLLECT_EVERY
+                )
+                if remaining <= 0 and not collect:
                     states = ", ".join(s.state.value for s in self.slots)
                     raise SlotsBusyError(
                         f"no free slot among {len(self.slots)} after {timeout:.3g}s (slots: {states}); "
                         "staged state dicts that are still referenced, or still being written, "
                         "keep their slots: drop them or release() them"
                     )
-                # Releases notify at once; dropped references are noticed on the next check.
-                self._cond.wait(min(remaining, 0.005))
+                if not collect:
+                    # Releases notify at once; dropped references are noticed on the next check.
+                    self._cond.wait(min(remaining, 0.005))
+                    continue
+            collected = time.monotonic()
+            gc.collect()  # outside the lock: finalizers it runs may close or release slots
 
     def find(self, staged_id: int) -> list[Slot]:
         """Slots (READY or WRITING) whose staged state dict had this id. Ids of dead objects are
@@ -418,16 +446,23 @@ class Arena:
             return all(self._available(slot) for slot in self.slots)
 
     def close(self) -> None:
-        """Unpin, unlink and unmap. Staged tensors still referenced keep their own mapping."""
+        """Unpin, unlink and unmap. Staged tensors still referenced keep their own mapping.
+
+        A slot leased to a writer (WRITING) is closed when the lease ends instead: the writer may
+        not have attached its segment yet (torch's AsyncCheckpointer closes its stager before the
+        process that writes what was staged).
+        """
         with self._cond:
             if self.closed:
                 return
             self.closed = True
+            self._writing_at_close = [s for s in self.slots if s.state is SlotState.WRITING]
             self._cond.notify_all()
         if self._creator is not None:
             self._creator.join()  # it stops after the piece it is faulting in
         for slot in self.slots:
-            slot.close()
+            if slot not in self._writing_at_close:
+                slot.close()
 
     def __repr__(self) -> str:
         return (

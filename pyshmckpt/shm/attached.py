@@ -8,13 +8,14 @@ When the trainer dies, `unlink_all` removes every segment it was told of.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import threading
 from collections.abc import Iterable
 
 import numpy as np
 
-from ..errors import from_os_error
+from ..errors import PathNotFoundError, from_os_error
 from .address import SlotAddress
 from .native import Segment
 from .stale import SHM_DIR
@@ -80,7 +81,11 @@ class AttachedSegments:
 
     def sync(self, described: Iterable[tuple[str, int, bytes]]) -> None:
         """Attach newly described segments ((name, data size, token), as
-        `ShmStager.segments` lists them); close those no longer described (retired arenas)."""
+        `ShmStager.segments` lists them); close those no longer described (retired arenas).
+
+        A described segment that no longer exists is skipped: the trainer closed its arena after
+        describing it (a slot still leased to a write stays until the write is answered, see
+        `Arena.close`); a write that reads it fails in `slot()`."""
         described = list(described)
         names = {name for name, _, _ in described}
         with self._lock:
@@ -93,6 +98,9 @@ class AttachedSegments:
                 if name not in self._segments:
                     try:
                         segment = Segment.attach(name, size, token, map_pages=False)
+                    except FileNotFoundError:
+                        logger.debug("%s is gone: its arena was closed", name)
+                        continue
                     except OSError as exc:
                         raise from_os_error(exc, f"cannot attach slot {name}") from exc
                     self._segments[name] = segment
@@ -111,7 +119,11 @@ class AttachedSegments:
         """The mapping of an attached slot, the pages of its first `nbytes` bytes (None: all)
         mapped. Only those: the trainer may not have allocated the rest yet (see Arena)."""
         with self._lock:
-            segment = self._segments[address.name]
+            segment = self._segments.get(address.name)
+            if segment is None:
+                raise PathNotFoundError(
+                    errno.ENOENT, f"slot {address.name} is not attached: its segment is gone"
+                )
             size = int(segment.mapped_size)
             wanted = size if nbytes is None else min(address.offset + nbytes, size)
             if wanted > self._mapped.get(address.name, 0):

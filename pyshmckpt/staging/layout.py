@@ -39,6 +39,7 @@ from .manifest import (
     contiguous_stride,
     dtype_name,
     format_path,
+    offsets_in_blocks,
 )
 
 logger = logging.getLogger(__name__)
@@ -410,7 +411,8 @@ def _plan(state_dict: Any, pickle_unsupported: bool) -> tuple[StagingPlan, _Temp
         shapes,
         view_strides,
         code.tolist(),
-        np.where(block >= 0, offset, -1).tolist(),
+        block.tolist(),
+        offsets_in_blocks(offset, block, manifest.blocks).tolist(),
     )
     staging_plan = StagingPlan(
         manifest=manifest, host=host, device=devices, gathers=gathers, sources=tensors

@@ -16,7 +16,7 @@ import functools
 import hashlib
 import pickle
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -177,9 +177,9 @@ class Manifest:
         return h.digest()
 
     @functools.cached_property
-    def view_args(self) -> tuple[list[Any], list[Any], list[int], list[int]]:
-        """Per tensor: shape, stride, dtype code and byte offset (-1 without a block), as Python
-        values, worked out once per layout for `make_tensors`."""
+    def view_args(self) -> tuple[list[Any], list[Any], list[int], list[int], list[int]]:
+        """Per tensor: shape, stride, dtype code, block (-1 without one) and byte offset from
+        its block's start, as Python values, worked out once per layout for `make_tensors`."""
         bounds = np.concatenate([[0], np.cumsum(self.ndim, dtype=np.int64)]).tolist()
         shapes = self.shapes.tolist()
         strides = self.strides.tolist()
@@ -188,7 +188,8 @@ class Manifest:
             [tuple(shapes[a:b]) for a, b in spans],
             [tuple(strides[a:b]) for a, b in spans],
             self.dtype.tolist(),
-            np.where(self.block >= 0, self.offset, -1).tolist(),
+            self.block.tolist(),
+            offsets_in_blocks(self.offset, self.block, self.blocks).tolist(),
         )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -292,51 +293,43 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def make_tensors(
-    manifest: Manifest,
-    base: Callable[[int, torch.dtype], tuple[torch.Tensor, int]] | None = None,
-    *,
-    shared: Callable[[torch.dtype], torch.Tensor] | None = None,
-    slot_offset: int = 0,
-) -> list[torch.Tensor]:
-    """Create the manifest's tensors as views of base tensors.
+def offsets_in_blocks(offset: np.ndarray, block: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """Each tensor's byte offset from the start of its block (0 without a block)."""
+    if not len(blocks):
+        return np.zeros(len(offset), dtype=np.int64)
+    return np.where(block >= 0, offset - blocks[np.maximum(block, 0), 0], 0)
 
-    Either ``base(block, dtype)`` returns a 1-D tensor of `dtype` and the byte offset, relative
-    to the slot start, of its element 0 (block is -1 for tensors without elements); or every
-    tensor views ``shared(dtype)``, a 1-D tensor over one storage in which the slot starts at
-    byte `slot_offset` (the fast path: one lookup per dtype, not per tensor).
+
+def make_tensors(
+    manifest: Manifest, storage: torch.UntypedStorage | None, slot_offset: int = 0
+) -> list[torch.Tensor]:
+    """Create the manifest's tensors over `storage`, in which the slot starts at byte
+    `slot_offset` (None only for a manifest without blocks).
+
+    Every block gets a storage of its own, a slice of `storage` that shares its bytes (and keeps
+    it alive), and each tensor views its block's storage: so torch.save, pickling and copying a
+    tensor take its block's bytes and nothing else, and tensors that came from one source storage
+    share one storage again. Tensors without elements get an empty storage of their own.
     """
     import torch
 
     dtypes = [torch_dtypes()[name] for name in manifest.dtypes]
+    sizes = [d.itemsize for d in dtypes]
+    news = [torch.empty(0, dtype=d).new for d in dtypes]
+    if storage is None and len(manifest.blocks):
+        raise ConfigTypeError("make_tensors needs the storage the manifest's blocks lie in")
+    block_storages = [
+        storage[start : start + nbytes]  # type: ignore[index]
+        for start, nbytes in (manifest.blocks + [slot_offset, 0]).tolist()
+    ]
     out: list[torch.Tensor] = []
+    append = out.append
     with torch.no_grad():
-        if shared is not None:
-            bases = [shared(d) for d in dtypes]
-            sizes = [d.itemsize for d in dtypes]
-            view_shapes, view_strides, view_codes, view_offsets = manifest.view_args
-            append = out.append
-            for shape, stride, code, offset in zip(
-                view_shapes, view_strides, view_codes, view_offsets, strict=True
-            ):
-                element = (offset + slot_offset) // sizes[code] if offset >= 0 else 0
-                append(bases[code].as_strided(shape, stride, element))
-        else:
-            if base is None:
-                raise ConfigTypeError("make_tensors needs `base` or `shared`")
-            ndim = manifest.ndim.tolist()
-            shapes = manifest.shapes.tolist()
-            strides = manifest.strides.tolist()
-            offsets = manifest.offset.tolist()
-            blocks = manifest.block.tolist()
-            pos = 0
-            for i, code in enumerate(manifest.dtype.tolist()):
-                dtype = dtypes[code]
-                end = pos + ndim[i]
-                origin_tensor, origin = base(blocks[i], dtype)
-                elements = (offsets[i] - origin) // dtype.itemsize if blocks[i] >= 0 else 0
-                out.append(origin_tensor.as_strided(shapes[pos:end], strides[pos:end], elements))
-                pos = end
+        for shape, stride, code, block, offset in zip(*manifest.view_args, strict=True):
+            if block < 0:
+                append(torch.empty_strided(shape, stride, dtype=dtypes[code]))
+            else:
+                append(news[code]().set_(block_storages[block], offset // sizes[code], shape, stride))
         flagged = np.flatnonzero(manifest.flags)
         for i, flag in zip(flagged.tolist(), manifest.flags[flagged].tolist(), strict=True):
             if flag & PARAMETER:
@@ -348,29 +341,24 @@ def make_tensors(
     return out
 
 
-def rebuild(
-    manifest: Manifest, bases: Callable[[torch.dtype], torch.Tensor], slot_offset: int
-) -> Any:
-    """Rebuild the staged structure with tensors viewing one storage.
-
-    ``bases(dtype)`` returns a 1-D tensor of `dtype` over the whole storage, in which the slot
-    starts at byte `slot_offset`. Tensors that came from one source storage view one block, so
-    they alias again; a tensor that appeared several times comes back as one object.
-    """
-    tensors = make_tensors(manifest, shared=bases, slot_offset=slot_offset)
-    return build(manifest.tree, tensors)
+def rebuild(manifest: Manifest, storage: torch.UntypedStorage | None, slot_offset: int) -> Any:
+    """Rebuild the staged structure over `storage`, in which the slot starts at byte
+    `slot_offset` (see `make_tensors`). Tensors that came from one source storage alias again;
+    a tensor that appeared several times comes back as one object."""
+    return build(manifest.tree, make_tensors(manifest, storage, slot_offset))
 
 
-def first_tensor_steps(node: Any) -> list[Any] | None:
-    """Keys / indices leading from the root to the first tensor of a tree, or None without one."""
+def tensor_steps(node: Any, index: int) -> list[Any] | None:
+    """Keys / indices leading from the root of a tree to the first occurrence of tensor `index`,
+    or None when it does not occur."""
     if type(node) is int:
-        return []
+        return [] if node == index else None
     kind = node[0]
     if kind == LEAF or kind == PICKLED:
         return None
     keys = node[1] if kind == DICT or (kind == REDUCED and node[1] is not None) else None
     for i, child in enumerate(node[2]):
-        rest = first_tensor_steps(child)
+        rest = tensor_steps(child, index)
         if rest is not None:
             return [keys[i] if keys is not None else i, *rest]
     return None

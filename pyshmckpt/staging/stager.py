@@ -31,7 +31,7 @@ from ..shm import Arena, Slot, SlotAddress, SlotState
 from ..shm.native import set_copy_threads
 from . import layout
 from .dtensors import dtensor_type
-from .manifest import Manifest, contiguous_stride, first_tensor_steps, rebuild
+from .manifest import Manifest, contiguous_stride, rebuild, tensor_steps
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +93,12 @@ class ShmStager(*_bases):  # type: ignore[misc]
 
     ``stage(state_dict)`` copies every tensor (CPU: thread pool, GIL released; CUDA: batched
     device-to-host copies on a side stream) into a free slot and returns the same structure with
-    CPU tensors that view the slot: one torch shared storage per slot, so torch's multiprocessing
-    pickler sends a whole slot as a single file descriptor. The result is a snapshot: changing the
-    source afterwards changes nothing in it.
+    CPU tensors that view the slot. It is an ordinary state dict to every consumer: each staged
+    block (the bytes of one source storage) is a storage of its own, so torch.save writes each
+    tensor's bytes once and mixed dtypes are fine; torch's multiprocessing pickler (DCP's process
+    executor, torch's CheckpointProcess) sends a whole slot as a single file descriptor
+    (`pyshmckpt.shm.sharing`). The result is a snapshot: changing the source afterwards changes
+    nothing in it.
 
     Args:
         capacity_bytes: bytes per slot. Given, the arena is created, faulted in and pinned here,
@@ -139,6 +142,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
         reuse_plans: bool = True,
     ) -> None:
         self._closed = True  # until fully constructed, so __del__ has nothing to do
+        self._closing = False
         if capacity_bytes is not None and (
             not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool)
         ):
@@ -197,7 +201,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._closed or self._closing
 
     @property
     def plan_stats(self) -> layout.PlannerStats:
@@ -286,14 +290,16 @@ class ShmStager(*_bases):  # type: ignore[misc]
     def close(self) -> None:
         """Free the arenas (unpin, unmap, unlink). Idempotent; safe from __del__ and atexit.
 
+        A stage already requested (``async_staging``) finishes first: its Future may have been
+        handed to a writer (torch's AsyncCheckpointer closes its stager before its process).
         Staged tensors still referenced stay valid: they keep torch's mapping of the memory.
         """
-        if self._closed:
+        if self._closed or self._closing:
             return
+        self._closing = True  # refuses new stages; requested ones may still take a slot
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
         self._closed = True
-        executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True, cancel_futures=True)
         self._finalizer()
 
     def __enter__(self) -> ShmStager:
@@ -309,7 +315,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
     # -- internals --------------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closed or self._closing:
             raise StagerClosedError("ShmStager is closed")
 
     @staticmethod
@@ -329,7 +335,8 @@ class ShmStager(*_bases):  # type: ignore[misc]
 
     def _slot_for(self, nbytes: int) -> Slot:
         with self._lock:
-            self._check_open()
+            if self._closed:
+                raise StagerClosedError("ShmStager is closed")
             arena = self.arena
             if arena is None or nbytes > arena.slot_capacity:
                 if arena is not None and not self._allow_growth:
@@ -417,7 +424,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
                 raise _Relayout(reason)
             if not lease:  # building the staged tensors overlaps with the copies
                 with layout.gc_paused():
-                    staged = rebuild(manifest, slot.base, slot.offset)
+                    staged = rebuild(manifest, slot.storage, slot.offset)
             copies.wait()
         except BaseException as exc:
             if copies is not None:
@@ -546,16 +553,17 @@ def _note_cleanup_error(exc: BaseException, cleanup: BaseException | None) -> No
 
 def _views_slot(staged: Any, slot: Slot) -> bool:
     """Whether `staged` really is the state dict staged in `slot`, not a new object that reuses
-    the address (the id) of one that no longer exists: its first tensor must view the slot."""
+    the address (the id) of one that no longer exists: its first tensor with bytes in the slot
+    must view the slot."""
     manifest = slot.manifest
     if manifest is None:
         return False
-    steps = first_tensor_steps(manifest.tree)
-    if steps is None:
-        return True  # no tensor: nothing in the slot to confuse
+    in_slot = np.flatnonzero(manifest.block >= 0)
+    if not len(in_slot):
+        return True  # no tensor bytes in the slot: nothing to confuse
     node = staged
     try:
-        for step in steps:
+        for step in tensor_steps(manifest.tree, int(in_slot[0])) or ():
             node = node[step]
     except (KeyError, IndexError, TypeError):
         return False
@@ -563,7 +571,8 @@ def _views_slot(staged: Any, slot: Slot) -> bool:
         return False
     if type(node) is dtensor_type():
         node = _torch_private.local_tensor(node)
-    return node.untyped_storage().data_ptr() == slot.storage.data_ptr()
+    start = slot.storage.data_ptr()  # each block is a storage of its own within the slot's
+    return start <= node.untyped_storage().data_ptr() < start + slot.storage.nbytes()
 
 
 def lease_staged(staged: Any) -> StagedHandle | None:

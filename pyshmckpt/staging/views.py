@@ -1,8 +1,8 @@
 """The writer process's view of staged state dicts: zero-copy tensors over a mapped slot.
 
 Steady-state checkpoints have the same layout every time, so the tensors built for a slot are
-kept and only the containers and leaves are rebuilt. Each block gets a tensor of its own (a
-zero-copy view of the block), so torch.save of a tensor writes that block, not the whole slot.
+kept and only the containers and leaves are rebuilt. Each block gets a storage of its own (a
+zero-copy slice of the slot's), so torch.save of a tensor writes that block, not the whole slot.
 """
 
 from __future__ import annotations
@@ -54,19 +54,7 @@ class SlotViews:
 def _tensors(slot: SlotMapping, manifest: Manifest) -> list[torch.Tensor]:
     import torch  # only a StateDictWriter's process gets here: a SlotWriter's never loads torch
 
-    view = slot.memoryview()
-    blocks = manifest.blocks.tolist()
-    bases: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int]] = {}
-
-    def base(block: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-        if block < 0:
-            return torch.empty(0, dtype=dtype), 0
-        found = bases.get((block, dtype))
-        if found is None:
-            start, nbytes = blocks[block]
-            count = nbytes // dtype.itemsize
-            tensor = torch.frombuffer(view, dtype=dtype, count=count, offset=start)
-            found = bases[(block, dtype)] = (tensor, start)
-        return found
-
-    return make_tensors(manifest, base)
+    storage = None
+    if len(manifest.blocks):  # (a buffer without bytes cannot be viewed)
+        storage = torch.frombuffer(slot.memoryview(), dtype=torch.uint8).untyped_storage()
+    return make_tensors(manifest, storage)

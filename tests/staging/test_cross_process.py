@@ -13,7 +13,7 @@ from pyshmckpt import _C
 from pyshmckpt.staging.manifest import rebuild
 
 from conftest import train_step
-from helpers import buffer_bases, same_bytes
+from helpers import buffer_storage, same_bytes
 
 SPAWN_TIMEOUT = 120
 
@@ -81,7 +81,7 @@ def _attach_and_digest(
     segment = _C.Segment.attach(name, capacity, token)
     manifest = pickle.loads(manifest_bytes)
     view = memoryview(segment)
-    staged = rebuild(manifest, buffer_bases(view), offset)
+    staged = rebuild(manifest, buffer_storage(view), offset)
     digest = _digest(staged)
     aliased = (
         staged["model"]["embed.weight"].data_ptr() == staged["model"]["head.weight"].data_ptr()
@@ -142,30 +142,82 @@ def test_spawned_process_attaching_the_segment_reads_the_same_bytes(trained, sta
     assert step == 1
 
 
-def _receive_through_torch_queue(queue_in, queue_out) -> None:
+def _receive_through_torch_queue(queue_in, queue_out, saved_path) -> None:
     staged = queue_in.get(timeout=SPAWN_TIMEOUT)
-    queue_out.put(_digest(staged))
+    sizes = {k: v.untyped_storage().nbytes() for k, v in staged["model"].items()}
+    queue_out.put((_digest(staged), sizes))
+    queue_in.get(timeout=SPAWN_TIMEOUT)  # the trainer changed the staged bytes meanwhile
+    queue_out.put(float(staged["model"]["pos"][0, 0]))
+    torch.save(staged, saved_path)  # fp32, int64 and bf16 tensors
+    queue_out.put("saved")
 
 
-def test_staged_dict_crosses_torch_multiprocessing_without_copy(trained, stager):
+def test_staged_dict_crosses_torch_multiprocessing_without_copy(trained, stager, tmp_path):
+    """torch's multiprocessing pickler (DCP's process executor, torch's CheckpointProcess) hands
+    the receiver the slot's own memory: the receiver sees a later change to the staged bytes,
+    each tensor still has its block's storage, and torch.save of what it got works."""
     import torch.multiprocessing as tmp
 
     model, optimizer = trained
-    staged = stager.stage(full_state(model, optimizer))
+    state = full_state(model, optimizer)
+    state["extra"] = {"count": torch.arange(5), "half": torch.randn(4, dtype=torch.bfloat16)}
+    staged = stager.stage(state)
     ctx = tmp.get_context("spawn")
     queue_in, queue_out = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_receive_through_torch_queue, args=(queue_in, queue_out))
+    saved = tmp_path / "received.pt"
+    proc = ctx.Process(target=_receive_through_torch_queue, args=(queue_in, queue_out, saved))
     proc.start()
     try:
         queue_in.put(staged)
-        digest = queue_out.get(timeout=SPAWN_TIMEOUT)
+        digest, sizes = queue_out.get(timeout=SPAWN_TIMEOUT)
+        assert digest == _digest(staged)
+        assert sizes == {k: v.untyped_storage().nbytes() for k, v in staged["model"].items()}
+        # Sent by reference: the staged tensors still view the slot (torch's own pickler would
+        # have moved each block's storage into a shared-memory copy of its own).
+        slot = stager.handle(staged).slot
+        start = slot.storage.data_ptr()
+        for tensor in _tensors(staged):
+            assert start <= tensor.untyped_storage().data_ptr() < start + slot.storage.nbytes()
+        staged["model"]["pos"][0, 0] = 1234.5  # into the slot: shared, so the receiver sees it
+        queue_in.put("changed")
+        assert queue_out.get(timeout=SPAWN_TIMEOUT) == 1234.5
+        assert queue_out.get(timeout=SPAWN_TIMEOUT) == "saved"
         proc.join(SPAWN_TIMEOUT)
     finally:
         if proc.is_alive():
             proc.kill()
             proc.join(5)
     assert proc.exitcode == 0
-    assert digest == _digest(staged)
+    loaded = torch.load(saved, weights_only=True)
+    assert _digest(loaded) == _digest(staged)
+    state_bytes = sum(v.nbytes for v in _tensors(staged))
+    assert saved.stat().st_size < state_bytes + (64 << 10)
+
+
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+def test_staged_dict_through_torchs_pickler_under_either_sharing_strategy(stager, strategy):
+    import torch.multiprocessing as tmp
+    from multiprocessing.reduction import ForkingPickler
+
+    state = {"w": torch.randn(32, 32), "n": torch.arange(7), "h": torch.ones(3, dtype=torch.half)}
+    staged = stager.stage(state)
+    before = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy(strategy)
+    try:
+        received = pickle.loads(ForkingPickler.dumps(staged))
+    finally:
+        tmp.set_sharing_strategy(before)
+    assert _digest(received) == _digest(state)
+    for key in state:
+        assert received[key].untyped_storage().nbytes() == state[key].nbytes
+    del received
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else []
+    return [t for value in values for t in _tensors(value)]
 
 
 def test_cuda_availability_tells_the_truth():

@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import dataclasses
 import gc
+import io
 import math
 import pickle
 import threading
@@ -41,11 +42,10 @@ from pyshmckpt.staging.manifest import (
     build,
     contiguous_stride,
     dtype_name,
-    make_tensors,
     rebuild,
 )
 
-from helpers import buffer_bases as bytes_bases
+from helpers import buffer_storage
 
 # torch warns once per process that ComplexHalf support is experimental (on the first complex32
 # tensor, here or in a slot's rebuild base) and that quantized dtypes are deprecated (on the first
@@ -198,43 +198,21 @@ def assert_identity_and_aliasing(got: Any, want: Any, plan: layout.StagingPlan) 
 # -- running a plan without the stager ----------------------------------------------------------
 
 
-def buffer_bases(storage: torch.UntypedStorage):
-    """``bases`` for rebuild: one 1-D tensor per dtype over the whole storage."""
-    cache: dict[torch.dtype, torch.Tensor] = {}
-
-    def bases(dtype: torch.dtype) -> torch.Tensor:
-        base = cache.get(dtype)
-        if base is None:
-            count = storage.nbytes() // dtype.itemsize
-            if dtype in QUANTIZED_DTYPES:
-                # torch.empty(dtype=qint8) makes a *quantized* tensor, which set_() rejects; a
-                # plain tensor of a quantized dtype can only be had as a view of bytes.
-                raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
-                base = raw[: count * dtype.itemsize].view(dtype)
-            else:
-                base = torch.empty(0, dtype=dtype).set_(storage, 0, (count,), (1,))
-            cache[dtype] = base
-        return base
-
-    return bases
-
-
 def execute(plan: layout.StagingPlan, slot_offset: int = SLOT_OFFSET) -> tuple[Any, torch.Tensor]:
     """Fill a byte buffer as the stager fills a slot, and rebuild the state dict from it."""
     manifest = plan.manifest
     check(plan.device == {}, "CPU tensors produced device copy entries")
     # A poison pattern rather than zeros: bytes that no entry fills are noticed.
     buf = torch.full((slot_offset + manifest.size + 4096,), 0xA5, dtype=torch.uint8)
-    bases = buffer_bases(buf.untyped_storage())
     for src, dst, nbytes in plan.host.tolist():
         ctypes.memmove(buf.data_ptr() + slot_offset + dst, src, nbytes)
     with torch.no_grad():
         for index, source in plan.gathers:
-            base = bases(source.dtype)
             stride = contiguous_stride(tuple(source.shape))
             element = (slot_offset + int(manifest.offset[index])) // source.dtype.itemsize
-            base.as_strided(source.shape, stride, element).copy_(source)
-    return rebuild(manifest, bases, slot_offset), buf
+            target = torch.empty(0, dtype=source.dtype)
+            target.set_(buf.untyped_storage(), element, source.shape, stride).copy_(source)
+    return rebuild(manifest, buf.untyped_storage(), slot_offset), buf
 
 
 def extent_bytes(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:
@@ -1106,7 +1084,7 @@ def test_manifest_pickles_and_rebuilds_the_same():
     same(clone.paths(), m.paths(), "paths after pickling")
     same(clone.entries(), m.entries(), "entries after pickling")
     staged, buf = execute(plan)
-    again = rebuild(clone, buffer_bases(buf.untyped_storage()), SLOT_OFFSET)
+    again = rebuild(clone, buf.untyped_storage(), SLOT_OFFSET)
     assert_same(again, state)
     assert_same(again, staged)
     assert_identity_and_aliasing(again, state, plan)
@@ -1166,33 +1144,30 @@ def test_column_dtypes():
     same(layout.plan(manifest_state()).host.dtype, np.dtype(np.uint64), "host entries dtype")
 
 
-def test_make_tensors_with_a_buffer_per_block():
-    """make_tensors' base(block, dtype) may place every block in its own buffer."""
-    x = torch.randn(4, 6)
-    state = {"x": x, "xt": x.t(), "y": torch.arange(5), "g": x[:, ::3], "e": torch.empty(0, 2)}
-    plan = layout.plan(state)
-    m = plan.manifest
-    buffers = [torch.zeros(int(n) + 64, dtype=torch.uint8) for n in m.blocks[:, 1].tolist()]
-    block_at = {off: b for b, off in enumerate(m.blocks[:, 0].tolist())}
-    for src, dst, n in plan.host.tolist():
-        if dst in block_at:  # not a gap between blocks: those have no buffer here
-            ctypes.memmove(buffers[block_at[dst]].data_ptr(), src, n)
-    for i, source in plan.gathers:
-        b = int(m.block[i])
-        buffers[b][: source.numel() * source.element_size()].view(source.dtype).copy_(
-            source.flatten()
-        )
-
-    def base(block: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-        if block < 0:
-            return torch.empty(0, dtype=dtype), 0
-        return buffers[block].view(dtype), int(m.blocks[block, 0])
-
-    tensors = make_tensors(m, base)
-    same(len(tensors), len(m), "number of tensors")
-    staged = build(m.tree, tensors)
+def test_every_block_is_a_storage_of_its_own():
+    """Each block gets a storage that shares the slot's bytes: views of one source share it, and
+    torch.save of the staged state writes each block once, whatever the dtypes."""
+    x = torch.randn(64, 64)
+    state = {
+        "x": x, "xt": x.t(), "steps": torch.tensor(7), "half": torch.randn(3, dtype=torch.float16),
+        "g": x[:, ::3], "e": torch.empty(0, 2),
+    }  # fmt: skip
+    staged, buf = execute(layout.plan(state))
     assert_same(staged, state)
-    check(staged["xt"].data_ptr() == staged["x"].data_ptr(), "transposed view shares its block")
+    storages = {k: v.untyped_storage() for k, v in staged.items()}
+    check(storages["xt"].data_ptr() == storages["x"].data_ptr(), "transposed view shares its block")
+    same(storages["x"].nbytes(), x.nbytes, "a block holds the bytes of its source")
+    same(storages["steps"].nbytes(), 8, "a scalar's block holds 8 bytes")
+    for key in ("x", "steps", "half", "g"):
+        start = storages[key].data_ptr() - buf.data_ptr()
+        check(SLOT_OFFSET <= start < buf.numel(), f"{key} does not view the slot's bytes")
+    staged["x"][0, 0] = 42.0  # shares the bytes: the buffer sees the change
+    check(buf[SLOT_OFFSET : SLOT_OFFSET + 4].view(torch.float32).item() == 42.0, "not shared")
+    saved = io.BytesIO()
+    torch.save(staged, saved)  # mixed dtypes: each block's storage has one dtype
+    check(saved.tell() < x.nbytes + 16384, f"torch.save wrote {saved.tell()} bytes")
+    loaded = torch.load(io.BytesIO(saved.getvalue()), weights_only=True)
+    assert_same(loaded, staged)
 
 
 def test_build_substitutes_tensors():
@@ -1220,13 +1195,13 @@ def test_dtype_names():
     same(dtype_name(torch.half), "float16", "alias")
 
 
-def test_buffer_bases_over_a_bytearray():
+def test_rebuild_over_a_bytearray():
     state = manifest_state()
     plan = layout.plan(state)
     m = plan.manifest
     staged, buf = execute(plan)
     data = bytearray(bytes(buf.numpy().tobytes()))
-    again = rebuild(m, bytes_bases(data), SLOT_OFFSET)
+    again = rebuild(m, buffer_storage(data), SLOT_OFFSET)
     assert_same(again, state)
 
 

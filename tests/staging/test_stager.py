@@ -112,16 +112,24 @@ def test_capacity_given_creates_the_arena_in_the_constructor():
         assert s.arena is arena  # no new arena for a state dict that fits
 
 
-def test_staged_tensors_are_cpu_views_of_one_shared_storage_per_slot(stager):
+def test_staged_tensors_view_the_slot_through_one_storage_per_block(stager, tmp_path):
     source = state()
     staged = stager.stage(source)
     slot = stager.handle(staged).slot
+    start, end = slot.storage.data_ptr(), slot.storage.data_ptr() + slot.storage.nbytes()
     tensors = [staged["w"], staged["b"], staged["nested"][0]]
-    for t in tensors:
+    for t, s in zip(tensors, [source["w"], source["b"], source["nested"][0]], strict=True):
         assert t.device.type == "cpu"
-        assert t.untyped_storage().data_ptr() == slot.storage.data_ptr()
-        assert t.untyped_storage().is_shared()
-    assert len({storage_ptr(t) for t in tensors}) == 1
+        assert start <= storage_ptr(t) < end  # zero-copy: the slot's own bytes
+        assert t.untyped_storage().nbytes() == s.nbytes  # its block, not the slot
+    assert len({storage_ptr(t) for t in tensors}) == 3
+    # An ordinary state dict to torch.save: three dtypes, each tensor's bytes once.
+    torch.save(staged, tmp_path / "staged.pt")
+    assert (tmp_path / "staged.pt").stat().st_size < sum(t.nbytes for t in tensors) + 4096
+    loaded = torch.load(tmp_path / "staged.pt", weights_only=True)
+    for key in ("w", "b"):
+        assert torch.equal(loaded[key], source[key])
+    assert torch.equal(loaded["nested"][0], source["nested"][0])
 
 
 def test_snapshot_semantics(stager):
@@ -542,7 +550,7 @@ def test_a_flag_changed_after_reuse_is_caught_while_copying_and_staged_in_full(
     change(sd)
     if lease:
         handle = stager.stage_leased(sd)
-        staged = rebuild(handle.manifest, handle.slot.base, handle.slot.offset)
+        staged = rebuild(handle.manifest, handle.slot.storage, handle.slot.offset)
     else:
         staged = stager.stage(sd)
     stats = stager.plan_stats
