@@ -329,7 +329,9 @@ def make_tensors(
             if block < 0:
                 append(torch.empty_strided(shape, stride, dtype=dtypes[code]))
             else:
-                append(news[code]().set_(block_storages[block], offset // sizes[code], shape, stride))
+                append(
+                    news[code]().set_(block_storages[block], offset // sizes[code], shape, stride)
+                )
         flagged = np.flatnonzero(manifest.flags)
         for i, flag in zip(flagged.tolist(), manifest.flags[flagged].tolist(), strict=True):
             if flag & PARAMETER:

@@ -196,8 +196,9 @@ def test_staged_dict_crosses_torch_multiprocessing_without_copy(trained, stager,
 
 @pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
 def test_staged_dict_through_torchs_pickler_under_either_sharing_strategy(stager, strategy):
-    import torch.multiprocessing as tmp
     from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as tmp
 
     state = {"w": torch.randn(32, 32), "n": torch.arange(7), "h": torch.ones(3, dtype=torch.half)}
     staged = stager.stage(state)
@@ -216,7 +217,9 @@ def test_staged_dict_through_torchs_pickler_under_either_sharing_strategy(stager
 def _tensors(tree) -> list[torch.Tensor]:
     if isinstance(tree, torch.Tensor):
         return [tree]
-    values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else []
+    values = (
+        tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else []
+    )
     return [t for value in values for t in _tensors(value)]
 
 

@@ -62,7 +62,9 @@ STAGERS = {
     "shm-async": lambda: pyshmckpt.ShmStager(async_staging=True, slot_timeout=10),
     "torch": lambda: DefaultStager(
         CheckpointStagerConfig(
-            use_pinned_memory=False, use_shared_memory=True, use_async_staging=False,
+            use_pinned_memory=False,
+            use_shared_memory=True,
+            use_async_staging=False,
             use_non_blocking_copy=False,
         )  # fmt: skip
     ),
@@ -74,7 +76,9 @@ def make_process(kind: str, writer: str) -> Any:
     args = (no_init, (), WRITERS[writer], {"rank_info": RANK})
     if kind == "ours":
         return pyshmckpt.CheckpointProcess(RANK, bounded_config(), *args)
-    config = TorchProcessConfig(subprocess_init_timeout_secs=120, subprocess_shutdown_timeout_secs=60)
+    config = TorchProcessConfig(
+        subprocess_init_timeout_secs=120, subprocess_shutdown_timeout_secs=60
+    )
     return TorchCheckpointProcess(RANK, config, *args)
 
 
