@@ -87,14 +87,6 @@ def _run_id(given: str | None, world_size: int, process_group: Any) -> str:
     return str(drawn[0])
 
 
-def _importable(factory: Any) -> bool:
-    """Whether a writer process can import `factory` by its module and name (not a class of the
-    trainer's script, a closure or a partial)."""
-    module = getattr(factory, "__module__", None)
-    qualname = getattr(factory, "__qualname__", "<locals>")
-    return isinstance(module, str) and module != "__main__" and "<locals>" not in qualname
-
-
 def _check_plain(manifest: Any) -> None:
     tree_codec.check_plain(manifest.tree)
 
@@ -193,9 +185,8 @@ class Checkpointer:
         # A writer importable by module name starts in a fresh interpreter, without the
         # trainer's __main__: the default one then never loads torch (small, quick to start).
         self._process = CheckpointProcess(
-            RankInfo(self.rank, self.world_size), base, no_init, (), spec.factory, writer_args,
-            lean_writer=_importable(spec.factory),
-        )  # fmt: skip
+            RankInfo(self.rank, self.world_size), base, no_init, (), spec.factory, writer_args
+        )
         try:
             self._stager = ShmStager(
                 capacity_bytes=capacity_bytes,

@@ -28,6 +28,7 @@ from ..errors import (
 )
 from ..shm import collect_stale_segments
 from ..staging import ShmStager, lease_staged
+from . import launcher
 from .child import OrphanPolicy, RankInfo, no_init
 from .parent import WriterProcess
 
@@ -148,11 +149,14 @@ class CheckpointProcess:
     frees its slot. ``close()`` is bounded and idempotent; ``close(abort=True)`` kills the writer
     at once and abandons pending writes.
 
-    ``lean_writer=True`` (not in torch's API; the Checkpointer's choice) starts the writer as a
-    fresh interpreter that does not import the trainer's ``__main__``, so the init function and
-    writer factory must be importable by module name; ``process.processes[0]`` is then a
-    ``launcher.InterpreterProcess`` (pid, sentinel, is_alive, exitcode, join, kill, terminate)
-    instead of a multiprocessing Process.
+    The writer process never runs the training script: where the init function, the writer
+    factory and their arguments are importable by module name (torch's ``CheckpointWriter``, a
+    writer in a module of the user's), it starts as a fresh interpreter that imports only them,
+    and ``process.processes[0]`` is a ``launcher.InterpreterProcess`` (pid, sentinel, is_alive,
+    exitcode, join, kill, terminate). Only where one of them is defined in the trainer's
+    ``__main__`` is it started by multiprocessing's spawn, which runs that script again in the
+    writer (so the script needs an ``if __name__ == "__main__":`` guard). ``lean_writer`` (not in
+    torch's API) forces the choice: True, a fresh interpreter; False, spawn.
     """
 
     def __init__(
@@ -164,7 +168,7 @@ class CheckpointProcess:
         checkpoint_writer_init_fn: Callable[..., Any],
         checkpoint_writer_init_args: dict[str, Any],
         *,
-        lean_writer: bool = False,
+        lean_writer: bool | None = None,
     ) -> None:
         self._closed = True  # until construction finishes
         config = CheckpointProcessConfig.of(config)
@@ -178,11 +182,13 @@ class CheckpointProcess:
             raise ConfigTypeError("checkpoint_writer_init_args must be a dict")
         self._rank_info = rank_info
         self._config = config
-        self._lean_writer = bool(lean_writer)
         self._writer_spec = (
             rank_info, subprocess_init_fn, subprocess_init_args,
             checkpoint_writer_init_fn, checkpoint_writer_init_args,
         )  # fmt: skip
+        if lean_writer is None:
+            lean_writer = not launcher.needs_main(*self._writer_spec)
+        self._lean_writer = bool(lean_writer)
         if config.collect_stale_segments:
             collect_stale_segments()
         self._stager = ShmStager(

@@ -18,7 +18,10 @@ Process: pid, sentinel, is_alive, exitcode, join, kill, terminate.
 from __future__ import annotations
 
 import contextlib
+import io
+import multiprocessing
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -86,6 +89,35 @@ class InterpreterProcess:
         return f"<InterpreterProcess {self.name} pid={self.pid} exitcode={self.exitcode}>"
 
 
+class _MainFinder(pickle.Pickler):
+    """Pickles into nothing, noting whether anything is pickled by reference to ``__main__``."""
+
+    def __init__(self) -> None:
+        super().__init__(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL)
+        self.names_main = False
+
+    def reducer_override(self, obj: Any) -> Any:
+        # Called for classes and functions too (pickled by module and name), not for plain
+        # containers and scalars, whose contents are visited one by one.
+        if getattr(obj, "__module__", None) == "__main__" and (
+            isinstance(obj, type) or callable(obj)
+        ):
+            self.names_main = True
+        return NotImplemented
+
+
+def needs_main(*objects: Any) -> bool:
+    """Whether a writer process must import the trainer's ``__main__`` to unpickle `objects`:
+    something among them is a class or function of the training script. Objects that cannot be
+    pickled at all count too (multiprocessing's spawn then reports why, as it would anyway)."""
+    finder = _MainFinder()
+    try:
+        finder.dump(objects)
+    except Exception:
+        return True
+    return finder.names_main
+
+
 def launch(args: tuple[Any, ...], *, spool_fd: int) -> tuple[InterpreterProcess, Connection]:
     """Start a writer process that runs ``writer_main(conn, spool_fd, *args)``; returns it and
     the trainer's end of its control channel. Unpicklable arguments raise here (the child is
@@ -141,6 +173,8 @@ def main() -> None:
     channel, spool_fd, exit_w = (int(arg) for arg in sys.argv[2:5])
     for fd in (channel, spool_fd, exit_w):  # ours alone, not a process the writer may start
         os.set_inheritable(fd, False)
+    # Its log records carry the name a spawned writer has (they are forwarded to the trainer).
+    multiprocessing.current_process().name = InterpreterProcess.name
     conn = Connection(channel)
     try:
         sys.path[:] = conn.recv()  # before the arguments name modules to import

@@ -66,6 +66,14 @@ class _Pending:
     timeout: float | None = None  # a spooled write's limit, counted from its hand-over
 
 
+_SPAWN_HINT = (
+    ". It was started by multiprocessing's spawn, because its writer or init function is "
+    "defined in the training script (__main__): spawn runs that script again in the writer, so a "
+    'script without an `if __name__ == "__main__":` guard starts training (or a process group) '
+    "there and the writer fails; guard the script, or define the writer in a module of its own"
+)
+
+
 class WriterProcess:
     """One spawned writer subprocess and the dispatcher that resolves its requests.
 
@@ -217,10 +225,11 @@ class WriterProcess:
         message = self._receive_init(parent_conn, process.sentinel, started + self._init_timeout)
         if isinstance(message, Closed):
             self._join(self._shutdown_timeout)
+            hint = "" if self._lean else _SPAWN_HINT
             self._fail_start(
                 WriterStartError(
                     "checkpoint writer process exited during initialization "
-                    f"({describe_exit(self.exitcode)})"
+                    f"({describe_exit(self.exitcode)}){hint}"
                 )
             )
         if self._closing:
