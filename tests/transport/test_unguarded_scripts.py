@@ -99,5 +99,6 @@ def test_a_writer_of_an_unguarded_script_fails_to_start_with_the_reason(tmp_path
     assert proc.returncode == 0, proc.stdout + proc.stderr
     failed = [line for line in proc.stdout.splitlines() if line.startswith("start failed:")]
     assert failed, proc.stdout + proc.stderr
-    assert "__main__" in failed[0] and "guard" in failed[0], failed[0]
+    assert "__main__" in failed[0], failed[0]
+    assert "guard" in failed[0], failed[0]
     assert not (tmp_path / "ckpt").exists()
