@@ -26,6 +26,7 @@ class Kind(enum.Enum):
     TERMINATE = "terminate"  # finish queued work, close the writer, exit
     ADOPT = "adopt"  # parent -> child once it is ready: serve the spool's first `count` records
     LOG = "log"  # child -> parent, unasked: one log record of the writer process
+    CALL = "call"  # run one method of the writer, in order with the writes
 
 
 @dataclasses.dataclass

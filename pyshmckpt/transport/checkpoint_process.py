@@ -280,6 +280,24 @@ class CheckpointProcess:
             failed.set_exception(exc)
             return failed
 
+    def call(self, method: str, **kwargs: Any) -> Future[Any]:
+        """Run ``writer.method(**kwargs)`` in the writer process after every write handed over
+        before it (not in torch's API). Like a write, it is served even when the trainer dies
+        first (``on_trainer_death="finish"``) and bounded by the write timeout; the Future
+        resolves to what the method returned (it must pickle), or fails with `WriterError`
+        carrying its traceback. A closed CheckpointProcess raises ClosedError.
+        """
+        self._check_open()
+        self._check_started()
+        timeout = self._config.write_timeout_secs
+        writer = self._ensure_writer()
+        try:
+            return writer.submit_call(method, kwargs, timeout)
+        except WriterDiedError as exc:
+            if writer.alive or isinstance(exc, WriterConnectionError):
+                raise
+            return self._ensure_writer().submit_call(method, kwargs, timeout)
+
     async def write_async(self, state_dict: Any, path: Any, **kwargs: Any) -> None:
         """``await`` form of write(); staging a plain state dict runs off the event loop."""
         loop = asyncio.get_running_loop()

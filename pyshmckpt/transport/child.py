@@ -149,7 +149,7 @@ class _TrainerWatch:
     def exit(self, code: int) -> None:
         with contextlib.suppress(Exception):  # writes still spooled name segments too
             for request in self.spool.read():
-                self.attached.note(name for name, _, _ in request.payload["segments"])
+                self.attached.note(n for n, _, _ in request.payload.get("segments", ()))
         with contextlib.suppress(Exception):
             self.attached.unlink_all()
         os._exit(code)
@@ -270,9 +270,9 @@ def writer_main(
                 return  # the trainer closed the channel: it restarts a writer if it needs one
             watch.died()
             break
-        if request.kind is Kind.WRITE:
+        if request.kind in (Kind.WRITE, Kind.CALL):
             watch.busy(True)
-            outbox.send(_serve_write(request, writer, attached, views))
+            outbox.send(_serve(request, writer, attached, views))
             watch.busy(False)
         elif request.kind is Kind.ADOPT:
             for _ in range(int(request.payload["count"])):
@@ -280,7 +280,7 @@ def writer_main(
                     break  # the rest of the spool is finished as orphaned writes
                 for spooled in spool.read(1):
                     watch.busy(True)
-                    outbox.send(_serve_write(spooled, writer, attached, views))
+                    outbox.send(_serve(spooled, writer, attached, views))
                     watch.busy(False)
             else:
                 spool.close()
@@ -317,36 +317,62 @@ def _finish_orphaned(
     views: SlotViews,
     watch: _TrainerWatch,
 ) -> None:
-    """The trainer is gone: finish every write left in the spool and the pipe (in the order they
-    were made), then clean up and exit."""
+    """The trainer is gone: finish every write (and call) left in the spool and the pipe, in the
+    order they were made, then clean up and exit."""
     requests: list[Request] = []
     with contextlib.suppress(Exception):  # a record cut short by the trainer's death ends it
         requests.extend(spool.read())
     with contextlib.suppress(Exception):  # EOF, or a request cut short by the trainer's death
         while conn.poll(0):
             requests.append(conn.recv())
-    writes = [r for r in requests if r.kind is Kind.WRITE]
+    requests = [r for r in requests if r.kind in (Kind.WRITE, Kind.CALL)]
     # Attach every slot now: a restarted trainer may soon collect the dead one's segment names.
     with contextlib.suppress(Exception):
-        attached.sync({s for r in writes for s in r.payload["segments"]})
+        attached.sync({s for r in requests if r.kind is Kind.WRITE for s in r.payload["segments"]})
     failed = 0
-    for request in writes:
+    for request in requests:
         watch.busy(True)
-        response = _serve_write(request, writer, attached, views, sync=False)
+        response = _serve(request, writer, attached, views, sync=False)
         watch.busy(False)
+        what = (
+            f"write of {request.payload.get('path')}"
+            if request.kind is Kind.WRITE
+            else f"call of {request.payload.get('method')}"
+        )
         if response.ok:
-            logger.warning("finished the orphaned write of %s", request.payload.get("path"))
+            logger.warning("finished the orphaned %s", what)
         else:
             failed += 1
-            logger.error(
-                "orphaned write of %s failed:\n%s", request.payload.get("path"), response.error
-            )
+            logger.error("orphaned %s failed:\n%s", what, response.error)
     close = getattr(writer, "close", None)
     if callable(close):
         watch.busy(True)
         with contextlib.suppress(Exception):
             close()
     watch.exit(1 if failed else 0)
+
+
+def _serve(
+    request: Request,
+    writer: Any,
+    attached: AttachedSegments,
+    views: SlotViews,
+    *,
+    sync: bool = True,
+) -> Response:
+    if request.kind is Kind.CALL:
+        return _serve_call(request, writer)
+    return _serve_write(request, writer, attached, views, sync=sync)
+
+
+def _serve_call(request: Request, writer: Any) -> Response:
+    """Run the writer's method the trainer named (`CheckpointProcess.call`)."""
+    try:
+        method = getattr(writer, request.payload["method"])
+        result = method(**request.payload["kwargs"])
+    except BaseException:
+        return Response(Kind.CALL, request.id, ok=False, error=traceback.format_exc())
+    return Response(Kind.CALL, request.id, ok=True, payload={"result": result})
 
 
 def _serve_write(

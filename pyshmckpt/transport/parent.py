@@ -66,6 +66,8 @@ class _Pending:
     timeout: float | None = None  # a spooled write's limit, counted from its hand-over
 
 
+_QUEUED = (Kind.WRITE, Kind.CALL)  # requests close() lets the writer finish
+
 _SPAWN_HINT = (
     ". It was started by multiprocessing's spawn, because its writer or init function is "
     "defined in the training script (__main__): spawn runs that script again in the writer, so a "
@@ -326,6 +328,51 @@ class WriterProcess:
         self, generation: int, payload: dict[str, Any], timeout: float | None
     ) -> Future[Any]:
         """Queue one WRITE; the Future resolves when the writer answers (or fails)."""
+        slot_name = payload["slot"].name
+        manifest = payload["manifest"]
+        with self._lock:
+            known = self._sent_layouts.get(slot_name) == manifest.layout_key
+            if known:
+                payload = {**payload, "manifest": ManifestRef.of(manifest)}
+            else:
+                self._sent_layouts[slot_name] = manifest.layout_key
+        try:
+            return self._queue(Kind.WRITE, generation, payload, timeout, slot_name)
+        except BaseException:
+            if not known:
+                with self._lock:
+                    self._sent_layouts.pop(slot_name, None)
+            raise
+
+    def submit_call(
+        self, method: str, kwargs: dict[str, Any], timeout: float | None
+    ) -> Future[Any]:
+        """Queue one CALL of the writer's `method` with `kwargs`. It is served after every write
+        queued before it, and also when the trainer dies first; the Future resolves to what the
+        method returned."""
+        answered = self._queue(Kind.CALL, -1, {"method": method, "kwargs": kwargs}, timeout)
+        result: Future[Any] = Future()
+
+        def done(f: Future[Any]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                result.set_exception(exc)
+            else:
+                result.set_result(f.result().get("result"))
+
+        answered.add_done_callback(done)
+        return result
+
+    def _queue(
+        self,
+        kind: Kind,
+        generation: int,
+        payload: dict[str, Any],
+        timeout: float | None,
+        slot_name: str | None = None,
+    ) -> Future[Any]:
+        """Send one request (spool it while the child starts); the Future resolves when the
+        writer answers (or fails)."""
         future: Future[Any] = Future()
         with self._lock:
             if self._closing:
@@ -333,32 +380,19 @@ class WriterProcess:
             if not self.alive:
                 raise self._dead_error()
             request_id = next(self._ids)
-            deadline = None if timeout is None else time.monotonic() + timeout
-            slot_name = payload["slot"].name
-            manifest = payload["manifest"]
-            if self._sent_layouts.get(slot_name) == manifest.layout_key:
-                payload = {**payload, "manifest": ManifestRef.of(manifest)}
-            else:
-                self._sent_layouts[slot_name] = manifest.layout_key
-            request = Request(Kind.WRITE, request_id, generation, payload)
+            request = Request(kind, request_id, generation, payload)
             if not self._ready and self._spool is not None:  # the child is starting
-                try:
-                    self._spool.append(request)
-                except BaseException:
-                    self._sent_layouts.pop(slot_name, None)
-                    raise
+                self._spool.append(request)
                 self._pending[request_id] = _Pending(
-                    future, Kind.WRITE, generation, None, slot_name, timeout
+                    future, kind, generation, None, slot_name, timeout
                 )
                 return future
-            self._pending[request_id] = _Pending(
-                future, Kind.WRITE, generation, deadline, slot_name
-            )
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self._pending[request_id] = _Pending(future, kind, generation, deadline, slot_name)
             try:
                 sent = send(self._conn, request)  # type: ignore[arg-type]
             except BaseException:  # unpicklable kwargs and the like: nothing was queued
                 self._pending.pop(request_id, None)
-                self._sent_layouts.pop(slot_name, None)
                 raise
             if not sent:
                 self._pending.pop(request_id, None)
@@ -432,9 +466,10 @@ class WriterProcess:
     # -- internals ------------------------------------------------------------------------
 
     def _finish_writes(self) -> None:
-        """Wait for the pending writes; the dispatcher resolves each (or kills the writer)."""
+        """Wait for the pending writes and calls; the dispatcher resolves each (or kills the
+        writer)."""
         with self._lock:
-            writes = [p.future for p in self._pending.values() if p.kind is Kind.WRITE]
+            writes = [p.future for p in self._pending.values() if p.kind in _QUEUED]
         if writes:
             logger.debug("close(): waiting for %d pending write(s)", len(writes))
         while writes:
