@@ -21,32 +21,36 @@ everything else (file names, tags, what each rank saves, ``zero_to_fp32.py``) st
 ``save_checkpoint`` waits only for the copy, and for a free slot when both slots still hold
 files being written (backpressure, bounded by ``slot_timeout_secs``).
 
-``latest``: DeepSpeed writes it itself, right after ``commit()`` returns. A plain engine's
-commit() runs inside ``save_checkpoint``, so it would have to wait there for the whole write.
-This engine is therefore a *decoupled* one, like DeepSpeed's own ``DecoupledCheckpointEngine``:
-``save_checkpoint`` returns without committing, and at each optimizer step DeepSpeed asks
-``get_commit_info()`` whether a tag is ready to commit. The answer is yes only once every rank's
-files of the tag are durable (the ranks agree with one small all-reduce over a gloo group of this
-engine's own: at each step while a tag is pending, and at each save), so a step never waits for
-a write and ``latest`` never names a tag of which a file is not durable. If a write of a tag
-failed (disk full, the writer killed), the ranks agree on that at a step too: the step goes on
-normally, ``latest`` keeps naming the previous durable tag, and the next ``save_checkpoint``
-raises `CommitError` on every rank before it saves anything (`ShmCheckpointEngine.failure`
-shows it earlier); the save after that works, through a new writer process. ``close()``
-(``engine.destroy()`` calls it) finishes the pending writes, points ``latest`` at the newest
-durable tag and raises a failure not reported yet.
+``latest``: a plain engine's commit() runs inside ``save_checkpoint``, after which DeepSpeed
+writes ``latest`` itself, so it would have to wait there for the whole write. This engine is a
+*decoupled* one instead, like DeepSpeed's own ``DecoupledCheckpointEngine``: ``save_checkpoint``
+returns without committing, and ``latest`` is written by the writer processes, which outlive
+the trainers (`deepspeed_latest`): when ``save_checkpoint`` returns, the wrapper `use_pyshmckpt`
+puts on it asks this rank's writer to seal the tag once its files are written; rank 0's writer
+replaces ``latest`` with the tag's name once every rank's writer said its files are durable.
+So ``latest`` never names a tag of which a file is not durable, no step waits for a write, and
+a run that simply ends (no ``destroy()``), or whose trainers die after ``save_checkpoint``
+returned, still ends with ``latest`` naming its last tag: DeepSpeed's ``load_checkpoint(dir)``
+resumes from it. The writers' bookkeeping are empty marker files in the tag's directory
+(``.pyshmckpt-<run>-rank<r>.durable``), which DeepSpeed never reads; rank 0's writer removes them
+when it publishes (a tag that failed may keep some). If a write of a tag failed (disk full, the
+writer killed), the ranks agree on that at an optimizer step (DeepSpeed asks
+``get_commit_info()`` at each one; a small all-reduce over a gloo group of this engine's own):
+the step goes on normally, ``latest`` keeps naming the previous durable tag, and the next
+``save_checkpoint`` raises `CommitError` on every rank before it saves anything
+(`ShmCheckpointEngine.failure` shows it earlier); the save after that works, through a new
+writer process. ``close()`` (``engine.destroy()`` calls it) finishes the pending writes and
+seals, and raises a failure of this rank not reported yet.
 
-Limits: a checkpoint staged before the trainer dies is still written by the writer process (see
-``CheckpointProcessConfig.on_trainer_death``), but only a living trainer moves ``latest``: load
-such a tag by name. DeepSpeed's ``PipelineEngine`` steps without asking a decoupled engine, so
-there ``latest`` moves only at ``close()``. A tag is written file by file: saving again (with
-``save_latest``, the default) to the tag ``latest`` names, or to one still being written, raises
-`NotSupportedError` (use a new tag, such as DeepSpeed's default ``global_step<N>``). DeepSpeed
-finds a tag's model files by listing its directory, and a file appears there once durable:
-before ``engine.load_checkpoint`` of a tag just saved, call ``wait()`` on every rank (it waits
-for every rank's files: each rank loads the model file rank 0 wrote).
-DeepSpeed tells a checkpoint engine nothing when ``save_checkpoint`` raises half-way: a program
-that catches that and trains on should not rely on ``latest`` naming a complete tag.
+Limits: ``latest`` moves when rank 0's writer has seen every rank's files durable, a moment after
+the last of them, not at a step: ``wait()`` on every rank, then read it. A tag is written file by
+file: saving again (with ``save_latest``, the default) to the tag ``latest`` names, or to one
+still being written, raises `NotSupportedError` (use a new tag, such as DeepSpeed's default
+``global_step<N>``). DeepSpeed finds a tag's model files by listing its directory, and a file
+appears there once durable: before ``engine.load_checkpoint`` of a tag just saved, call
+``wait()`` on every rank (it waits for every rank's files: each rank loads the model file rank
+0 wrote). DeepSpeed tells a checkpoint engine nothing when ``save_checkpoint`` raises half-way:
+such a save is never sealed, so ``latest`` does not name it.
 """
 
 from __future__ import annotations
@@ -54,8 +58,11 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
+import secrets
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
@@ -74,14 +81,14 @@ from ..errors import (
     NotSupportedError,
     from_os_error,
 )
-from ..storage import TorchFileWriter, commit
+from ..storage import TorchFileWriter
 from ..transport import CheckpointProcess, CheckpointProcessConfig, RankInfo, no_init
+from .deepspeed_latest import LATEST, TagWriter, marker, write_marker
 
 logger = logging.getLogger(__name__)
 
 # What a rank says of a tag; across ranks the largest value wins.
 _DURABLE, _FAILED, _PENDING = 0, 1, 2
-_LATEST = "latest"  # DeepSpeed's file naming the newest tag of a save directory
 # How long close() lets ranks wait for each other when writes have no time limit.
 _UNBOUNDED_WRITES = timedelta(hours=24)
 
@@ -92,6 +99,7 @@ class _Tag:
 
     info: Any  # DeepSpeed's CheckpointCommitInfo (tag, save_dir, save_latest)
     writes: list[tuple[str, Future[None]]] = dataclasses.field(default_factory=list)
+    sealed: bool = False  # its writer was asked to publish it once durable everywhere
 
     def status(self) -> int:
         if not all(future.done() for _, future in self.writes):
@@ -160,17 +168,20 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
             else None
         )
         try:
+            self._run = self._shared_run_id()
+            tag_writer = {"writer": writer, "run": self._run, "commit_timeout": commit_timeout}
             #: The writer process (``pid``, ``last_write_seconds``), restarted after it died.
             self.checkpoint_process = CheckpointProcess(
-                RankInfo(self.rank, self.world_size), process_config, no_init, (), writer, {}
-            )
+                RankInfo(self.rank, self.world_size), process_config, no_init, (),
+                TagWriter, tag_writer,
+            )  # fmt: skip
         except BaseException:
             self._destroy_group()
             raise
         self._tags: list[_Tag] = []  # created and not yet settled, oldest first
         self._failed: list[_Tag] = []  # settled as failed (on some rank), not yet reported
+        self._seals: list[Future[Any]] = []  # seal requests not answered yet (and the last)
         self._writes: dict[str, Future[None]] = {}  # the last write of each path
-        self._settled: Any = None  # the commit info get_commit_info() returned last
         self._closed = False
 
     # -- DeepSpeed's CheckpointEngine ---------------------------------------------------------
@@ -180,6 +191,7 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         file). Raises `CommitError` (on every rank) for an earlier tag whose write failed, and
         `NotSupportedError` for a tag that ``latest`` names or that is still being written."""
         self._check_open()
+        self.seal()  # an earlier save's, when save_checkpoint was not wrapped (use_pyshmckpt)
         if self._failed:
             failed, self._failed = self._failed, []
             raise self._commit_error(failed, "this save was not started; the next one will be")
@@ -233,20 +245,21 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         anyway, and only the bytes a tensor reaches, never the rest of a storage it views."""
         return False
 
-    def get_commit_info(self) -> Any:
-        """The tag DeepSpeed should commit now, or None to go on training.
+    def get_commit_info(self) -> None:
+        """None: DeepSpeed has nothing to commit; the writer processes publish ``latest``.
 
         DeepSpeed calls this at every optimizer step on every rank. While tags are pending, the
         ranks agree (an all-reduce) on how many of the oldest are settled: written durably on
-        every rank, or failed somewhere. Failed ones are dropped (`failure`; the next save
-        raises it); returns the newest durable one that asked for ``latest`` (else the newest
-        durable one), which DeepSpeed then commits, writing ``latest``. Never waits for a write
-        and never raises for one.
+        every rank, or failed somewhere. Failed ones are kept for the next save to raise
+        (`failure`). Never waits for a write and never raises for one.
         """
-        self._settled = None
         if self._closed or not self._tags:
             return None
-        statuses = self._agree([t.status() for t in self._tags], "which checkpoints are durable")
+        # A save not sealed yet is still being handed over (on some rank): pending.
+        statuses = self._agree(
+            [t.status() if t.sealed else _PENDING for t in self._tags],
+            "which checkpoints are durable",
+        )
         ready = next((i for i, s in enumerate(statuses) if s == _PENDING), len(statuses))
         settled = list(zip(self._tags[:ready], statuses[:ready], strict=True))
         self._tags = self._tags[ready:]
@@ -254,23 +267,13 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         if failed:
             self._record_failed(failed)
             logger.error("%s", self._commit_error(failed, "the next save raises this"))
-        durable = [t.info for t, s in settled if s == _DURABLE]
-        if not durable:
-            return None
-        self._settled = next((info for info in reversed(durable) if info.save_latest), durable[-1])
-        return self._settled
+        return None
 
     def commit(self, info: Any) -> bool:
-        """Confirm that the tag of `info` is durable on every rank; DeepSpeed writes ``latest``
-        once this returns.
-
-        After get_commit_info() this neither waits nor raises. A tag DeepSpeed commits directly
-        (a save of the 16-bit model) is waited for, up to commit_timeout, on this rank: raises
-        `CommitTimeoutError`, or `CommitError` when its write failed.
+        """Wait, up to commit_timeout, until this rank's files of `info`'s save are durable:
+        DeepSpeed commits a save of the 16-bit model directly. Raises `CommitTimeoutError`, or
+        `CommitError` when its write failed.
         """
-        settled, self._settled = self._settled, None
-        if settled is not None and settled is info:
-            return True
         tag = self._created(info)
         try:
             status = self._wait(tag)
@@ -293,19 +296,45 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         ranks agreed at an optimizer step; None when there are none."""
         return self._commit_error(self._failed) if self._failed else None
 
+    def seal(self) -> None:
+        """Every file of the saves begun so far is handed over: ask the writer process to
+        publish each as ``latest`` once it is durable on every rank (rank 0's writer writes it).
+        `use_pyshmckpt` calls this when ``save_checkpoint`` returns; otherwise the next save and
+        close() do. Never waits for a write."""
+        for tag in self._tags:
+            if tag.sealed:
+                continue
+            tag.sealed = True
+            if not tag.info.save_latest:
+                continue
+            paths = [path for path, _ in tag.writes]
+            try:
+                sealing = self.checkpoint_process.call(
+                    "seal", save_dir=_absolute(tag.info.save_dir), tag=tag.info.tag, paths=paths
+                )
+                self._seals = [f for f in self._seals if not f.done()] + [sealing]
+            except Exception as exc:  # its writes failed too: the next step or save reports it
+                logger.error("checkpoint %r cannot be published: %s", tag.info.tag, exc)
+                self._say_failed(tag)
+
     def close(self) -> None:
-        """Finish every pending write, point each save directory's ``latest`` at its newest
-        tag that is durable on every rank (rank 0 writes it, atomically), and stop the writer
-        process. Raises `CommitError` for tags that failed and were not reported yet. Call it on
-        every rank, like ``engine.destroy()`` (which calls it). Idempotent."""
+        """Finish every pending write, let the writer process publish ``latest`` (the newest
+        tag durable on every rank), and stop it. Raises `CommitError` for tags whose write failed
+        on this rank and were not reported yet. Needs no other rank (``engine.destroy()`` calls
+        it, and so does the interpreter's exit through DeepSpeed's engine). Idempotent."""
         if self._closed:
             return
-        self._closed = True
         try:
-            try:
-                self.checkpoint_process.close()  # every pending write is settled after this
-            finally:
-                self._publish_latest()
+            self.seal()
+        finally:
+            self._closed = True
+        try:
+            self.checkpoint_process.close()  # every pending write and seal is settled after this
+            tags, self._tags = self._tags, []
+            self._record_failed([t for t in tags if t.status() != _DURABLE])
+            if self._failed:
+                failed, self._failed = self._failed, []
+                raise self._commit_error(failed)
         finally:
             self._destroy_group()
 
@@ -316,11 +345,12 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         which rank 0 writes. Call it on every rank, like ``engine.load_checkpoint`` (with several
         ranks it is a collective call: the ranks agree through this engine's group).
 
-        Each rank waits up to commit_timeout for its own writes; raises `CommitTimeoutError` on
-        every rank when some rank's were still being written then. Failures and ``latest`` are
-        still DeepSpeed's next step's (or close()'s) to settle and move."""
+        Each rank waits up to commit_timeout for its own writes and seals (`seal`: rank 0's
+        publishes ``latest``); raises `CommitTimeoutError` on every rank when some rank's were
+        still pending then. Failures are still DeepSpeed's next step's (or close()'s) to report."""
         pending = {id(f): f for f in self._writes.values() if not f.done()}
         pending.update((id(f), f) for tag in self._tags for _, f in tag.writes if not f.done())
+        pending.update((id(f), f) for f in self._seals if not f.done())
         _, undone = concurrent.futures.wait(list(pending.values()), timeout=self.commit_timeout)
         if self._agree([len(undone)], "whether every file handed over is written")[0]:
             where = f"{len(undone)} on this rank" if undone else "some on another rank"
@@ -339,13 +369,37 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         self._writes[path] = future
         if self._tags:
             self._tags[-1].writes.append((path, future))
+        tag = self._tags[-1] if self._tags else None
 
         def report(done: Future[None]) -> None:
             exc = done.exception()
             if exc is not None:
                 logger.error("checkpoint file %s was not written: %s", path, exc)
+                if tag is not None:
+                    self._say_failed(tag)
 
         future.add_done_callback(report)
+
+    def _say_failed(self, tag: _Tag) -> None:
+        """Tell rank 0's writer, which may be waiting for this rank's files of `tag`, that they
+        will not all be durable (its own writer, maybe dead, may never say so)."""
+        if self.world_size == 1 or not tag.info.save_latest:
+            return
+        path = marker(tag.info.save_dir, tag.info.tag, self._run, self.rank, durable=False)
+        if path.parent.is_dir():
+            try:
+                write_marker(path)
+            except Exception as exc:
+                logger.warning("%s", exc)
+
+    def _shared_run_id(self) -> str:
+        """An id all ranks of this engine share (rank 0's), naming their markers."""
+        run = [secrets.token_hex(8)]
+        if self._group is not None:
+            dist.broadcast_object_list(
+                run, src=dist.get_global_rank(self._group, 0), group=self._group
+            )
+        return str(run[0])
 
     def _agree(self, values: list[int], what: str) -> list[int]:
         """Each value's largest across ranks (collective with several ranks)."""
@@ -407,28 +461,6 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         error.__cause__ = first
         return error
 
-    def _publish_latest(self) -> None:
-        tags, self._tags = self._tags, []
-        if tags and self._group is not None and not dist.is_initialized():
-            logger.warning(
-                "torch.distributed was shut down before the checkpoint engine closed: `latest` "
-                "was not moved to tags %s",
-                [t.info.tag for t in tags],
-            )
-        elif tags:
-            statuses = self._agree([t.status() for t in tags], "which checkpoints are durable")
-            newest: dict[str, str] = {}  # save directory -> its newest durable tag for latest
-            for tag, status in zip(tags, statuses, strict=True):
-                if status == _DURABLE and tag.info.save_latest:
-                    newest[tag.info.save_dir] = tag.info.tag
-            if self.rank == 0:
-                for save_dir, name in newest.items():
-                    _write_latest(Path(save_dir), name)
-            self._record_failed([t for t, s in zip(tags, statuses, strict=True) if s != _DURABLE])
-        if self._failed:
-            failed, self._failed = self._failed, []
-            raise self._commit_error(failed)
-
     def _destroy_group(self) -> None:
         group, self._group = self._group, None
         if group is not None and dist.is_initialized():
@@ -458,21 +490,11 @@ def _latest_names(info: Any) -> bool:
     if not (save_dir / info.tag).exists():
         return False
     try:
-        return (save_dir / _LATEST).read_text().strip() == info.tag
+        return (save_dir / LATEST).read_text().strip() == info.tag
     except FileNotFoundError:
         return False
     except OSError as exc:
-        raise from_os_error(exc, f"reading {save_dir / _LATEST}") from exc
-
-
-def _write_latest(save_dir: Path, tag: str) -> None:
-    """DeepSpeed's ``latest`` file (the tag's name), replaced atomically and durably."""
-    try:
-        commit.write_file(
-            save_dir / _LATEST, lambda file: file.write(tag.encode()), f".{_LATEST}.tmp-"
-        )
-    except OSError as exc:
-        raise from_os_error(exc, f"writing {save_dir / _LATEST}") from exc
+        raise from_os_error(exc, f"reading {save_dir / LATEST}") from exc
 
 
 def use_pyshmckpt(engine: Any, **options: Any) -> ShmCheckpointEngine:
@@ -488,7 +510,30 @@ def use_pyshmckpt(engine: Any, **options: Any) -> ShmCheckpointEngine:
             checkpoint_engine.close()
             raise
     engine.checkpoint_engine = checkpoint_engine
+    if not getattr(engine.save_checkpoint, "_pyshmckpt_seals", False):
+        engine.save_checkpoint = _sealing(engine, engine.save_checkpoint)
     return checkpoint_engine
+
+
+def _sealing(engine: Any, save_checkpoint: Callable[..., Any]) -> Callable[..., Any]:
+    """`save_checkpoint` of `engine`, which then seals the save (`ShmCheckpointEngine.seal`):
+    ``latest`` follows it even if the trainer dies right after it returned. It holds the engine
+    weakly: DeepSpeed's engine cleans up in ``__del__``, which a cycle would delay."""
+    function = save_checkpoint.__func__  # type: ignore[attr-defined]
+    owner = weakref.ref(engine)
+
+    @functools.wraps(function)
+    def save_and_seal(*args: Any, **kwargs: Any) -> Any:
+        engine = owner()
+        if engine is None:
+            raise ClosedError("the DeepSpeed engine is gone")
+        result = function(engine, *args, **kwargs)
+        if isinstance(engine.checkpoint_engine, ShmCheckpointEngine):
+            engine.checkpoint_engine.seal()
+        return result
+
+    save_and_seal._pyshmckpt_seals = True  # type: ignore[attr-defined]
+    return save_and_seal
 
 
 __all__ = ["ShmCheckpointEngine", "use_pyshmckpt"]

@@ -226,10 +226,14 @@ def writer_main(
 ) -> None:
     """Entry point of the writer subprocess.
 
-    It ignores SIGINT: a terminal's Ctrl-C reaches the whole process group, and it is the
-    trainer that decides what happens to pending writes (close() finishes them, close(abort=True)
-    drops them; on the trainer's death, see OrphanPolicy).
+    It runs in a session (and process group) of its own, and ignores SIGINT: what is sent to the
+    trainer's process group (a terminal's Ctrl-C; torchrun's elastic agent stopping a worker
+    group, which signals each worker's group) does not reach it. It is the trainer that decides
+    what happens to pending writes (close() finishes them, close(abort=True) drops them; on the
+    trainer's death, see OrphanPolicy).
     """
+    if os.getpid() != os.getsid(0):  # the launcher starts it in a session of its own already
+        os.setsid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     spool = SpoolReader(spool_fd)
     outbox = _Outbox(conn)

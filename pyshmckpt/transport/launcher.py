@@ -146,6 +146,7 @@ def launch(args: tuple[Any, ...], *, spool_fd: int) -> tuple[InterpreterProcess,
             stdin=subprocess.DEVNULL,
             pass_fds=(theirs.fileno(), spool_fd, exit_w),
             env=env,
+            start_new_session=True,  # see child.writer_main
         )
     except BaseException:
         ours.close()

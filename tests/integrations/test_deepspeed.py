@@ -21,7 +21,16 @@ import torch
 from pyshmckpt import CheckpointProcess, WriterOSError
 from pyshmckpt.storage import TorchFileWriter
 
-from helpers import SAVE_TIMEOUT, bounded_config, child_env, failure_of, free_port, same_bytes
+from helpers import (
+    SAVE_TIMEOUT,
+    bounded_config,
+    child_env,
+    failure_of,
+    free_port,
+    pid_running,
+    same_bytes,
+    wait_until,
+)
 
 WORKER = Path(__file__).with_name("deepspeed_worker.py")
 RUN_TIMEOUT = 240  # seconds one run may take (about 8 s for one rank, 20 s for two here)
@@ -60,6 +69,64 @@ def test_stage1_two_ranks_resume_latest_only_when_durable_and_a_killed_writer(tm
         str(WORKER), str(tmp_path), "resume1", "commit",
     ]  # fmt: skip
     run(command, {**child_env(), "DS_ACCELERATOR": "cpu"})
+
+
+SCRIPT = WORKER.with_name("deepspeed_script.py")
+
+
+def launch_script(
+    tmp_path: Path, ranks: int, stage: int, mode: str
+) -> subprocess.CompletedProcess[str]:
+    """Run deepspeed_script.py as a user would: alone, or under torchrun on `ranks` ranks."""
+    env = {**child_env(), "DS_ACCELERATOR": "cpu"}
+    args = [str(SCRIPT), str(tmp_path / "ckpt"), str(stage), mode]
+    if ranks == 1:
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(free_port()))  # fmt: skip
+        command = [sys.executable, *args]
+    else:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+            "--max-restarts", "0", "--master-addr", "127.0.0.1",
+            "--master-port", str(free_port()), *args,
+        ]  # fmt: skip
+    return subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=tmp_path
+    )
+
+
+def output(done: subprocess.CompletedProcess[str]) -> str:
+    return "\n".join((done.stdout + done.stderr).splitlines()[-40:])
+
+
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_TIMEOUT + 120)
+@pytest.mark.parametrize(("stage", "ranks"), [(0, 1), (1, 2)], ids=["zero0-1rank", "zero1-2ranks"])
+@pytest.mark.parametrize("ending", ["save", "save-kill"], ids=["ends", "killed"])
+def test_an_unguarded_script_resumes_from_its_last_tag_however_it_ended(
+    tmp_path, stage, ranks, ending
+):
+    """No main guard, no destroy(): the run simply ends, or its trainers are SIGKILLed right
+    after the last save_checkpoint returned. `latest` names the last tag once the writers are
+    done, the save directory holds what DeepSpeed's default engine leaves, and a new launch
+    resumes from it with load_checkpoint(save_dir), bitwise."""
+    save_dir = tmp_path / "ckpt"
+    done = launch_script(tmp_path, ranks, stage, ending)
+    if ending == "save":
+        assert done.returncode == 0, output(done)
+    else:
+        assert done.returncode != 0, output(done)
+        writers = [int((tmp_path / f"writer-rank{r}").read_text()) for r in range(ranks)]
+        for pid in writers:  # orphaned, they finish the writes and the seal, then exit
+            wait_until(lambda pid=pid: not pid_running(pid), RUN_TIMEOUT, f"writer {pid} to exit")
+    assert (save_dir / "latest").read_text() == "s6"
+    # (ZeRO stages >= 1 also get DeepSpeed's conversion scripts, zero_to_fp32.py and others.)
+    assert sorted(p.name for p in save_dir.iterdir() if p.suffix != ".py") == ["latest", "s3", "s6"]
+    assert [str(p) for p in save_dir.rglob(".*")] == []  # no marker, no temporary left
+    resumed = launch_script(tmp_path, ranks, stage, "resume")
+    assert resumed.returncode == 0, output(resumed)
+    assert resumed.stdout.count("resumed") == ranks, output(resumed)
 
 
 # -- TorchFileWriter --------------------------------------------------------------------------

@@ -1,0 +1,129 @@
+"""DeepSpeed's ``latest`` file, published by the writer processes (see `ShmCheckpointEngine`).
+
+`TagWriter` is what each rank's writer process builds: it writes DeepSpeed's files through the
+engine's writer and remembers which were written durably. When a tag's save has handed over all
+of this rank's files, the trainer asks its writer to `seal` the tag; being a request in order
+with the writes, it runs once they are done, even when the trainer died or exited meanwhile.
+Sealing writes a marker into the tag directory (``.pyshmckpt-<run>-rank<r>.durable``, or
+``.failed``); rank 0's writer waits for every rank's marker (bounded) and, when all say durable,
+replaces ``latest`` atomically with the tag's name and removes the markers. The ranks' trainers
+never write ``latest`` (one publisher, which outlives them), and it never names a tag of which a
+file is not durable.
+
+This module runs in the writer process and does not import DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import from_os_error
+from ..storage import commit
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest"  # DeepSpeed's file naming the newest tag of a save directory
+_POLL = 0.01  # seconds between looks for the other ranks' markers
+
+
+def marker(save_dir: str, tag: str, run: str, rank: int, durable: bool) -> Path:
+    """Where rank `rank` of run `run` says whether its files of `tag` are durable."""
+    return (
+        Path(save_dir) / tag / f".pyshmckpt-{run}-rank{rank}.{'durable' if durable else 'failed'}"
+    )
+
+
+def write_marker(path: Path) -> None:
+    """An empty marker, durable before anyone can see it."""
+    try:
+        commit.write_file(path, lambda file: None, f"{path.name}.tmp-")
+    except OSError as exc:
+        raise from_os_error(exc, f"writing {path}") from exc
+
+
+def write_latest(save_dir: Path, tag: str) -> None:
+    """DeepSpeed's ``latest`` file (the tag's name), replaced atomically and durably."""
+    try:
+        commit.write_file(
+            save_dir / LATEST, lambda file: file.write(tag.encode()), f".{LATEST}.tmp-"
+        )
+    except OSError as exc:
+        raise from_os_error(exc, f"writing {save_dir / LATEST}") from exc
+
+
+class TagWriter:
+    """The writer process's side of one rank's DeepSpeed checkpoints (see the module docstring).
+
+    Args:
+        rank_info: the rank and world size (torch's RankInfo).
+        writer: the writer class each file is written with (``TorchFileWriter`` or another
+            taking ``rank_info=``).
+        run: an id the ranks of one engine share (markers of other runs are ignored).
+        commit_timeout: seconds rank 0's writer waits for the other ranks' markers.
+    """
+
+    def __init__(
+        self, rank_info: Any, *, writer: Callable[..., Any], run: str, commit_timeout: float
+    ) -> None:
+        self.rank, self.world_size = commit.rank_and_world(rank_info)
+        self.writer = writer(rank_info=rank_info)
+        self.run = run
+        self.commit_timeout = float(commit_timeout)
+        self._durable: set[str] = set()  # paths whose last write succeeded
+
+    def write(self, path: str, state_dict: Any, **kwargs: Any) -> None:
+        self._durable.discard(path)
+        self.writer.write(path=path, state_dict=state_dict, **kwargs)
+        self._durable.add(path)
+
+    def seal(self, save_dir: str, tag: str, paths: list[str]) -> bool:
+        """This rank handed over `paths` for `tag`, all written before this runs: say whether
+        they are durable; rank 0 then publishes ``latest`` once every rank says so. Returns
+        whether it was published (rank 0) or this rank's files are durable (the others)."""
+        durable = all(path in self._durable for path in paths)
+        if self.world_size == 1:
+            if durable:
+                write_latest(Path(save_dir), tag)
+            return durable
+        write_marker(marker(save_dir, tag, self.run, self.rank, durable))
+        if self.rank != 0:
+            return durable
+        published = durable and self._all_durable(save_dir, tag)
+        if published:
+            write_latest(Path(save_dir), tag)
+            logger.debug("latest of %s names %s", save_dir, tag)
+        for rank in range(self.world_size):
+            for state in (True, False):
+                marker(save_dir, tag, self.run, rank, state).unlink(missing_ok=True)
+        return published
+
+    def _all_durable(self, save_dir: str, tag: str) -> bool:
+        """Wait (bounded by commit_timeout) until every rank said its files of `tag` are durable;
+        False as soon as one says they are not, or when the time is up."""
+        deadline = time.monotonic() + self.commit_timeout
+        waiting = set(range(1, self.world_size))
+        while waiting:
+            for rank in list(waiting):
+                if marker(save_dir, tag, self.run, rank, False).exists():
+                    logger.warning("checkpoint %r failed on rank %d: `latest` stays", tag, rank)
+                    return False
+                if marker(save_dir, tag, self.run, rank, True).exists():
+                    waiting.discard(rank)
+            if waiting and time.monotonic() > deadline:
+                logger.warning(
+                    "ranks %s did not finish checkpoint %r within %g s: `latest` stays",
+                    sorted(waiting), tag, self.commit_timeout,
+                )  # fmt: skip
+                return False
+            if waiting:
+                time.sleep(_POLL)
+        return True
+
+    def close(self) -> None:
+        close = getattr(self.writer, "close", None)
+        if callable(close):
+            close()
