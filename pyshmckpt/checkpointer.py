@@ -126,6 +126,9 @@ class Checkpointer:
         process_group: the group rank 0's run id is broadcast over (None: a gloo group created
             and destroyed for it, so that it never meets training's collectives). The commit
             itself needs no collective: ranks meet through files on the shared root.
+        link_latest: keep the ``root/latest`` link (False: the root holds the checkpoints alone,
+            as frameworks that name their own files expect; `latest()`, ``pyshmckpt.load(root)``
+            and ``pyshmckpt inspect`` then take the newest by commit sequence).
 
     DTensors (FSDP2, tensor parallelism) are saved as each rank's local shard plus its placement
     (mesh shape, placements, global shape, the shard's global offsets) in the rank's manifest;
@@ -148,8 +151,10 @@ class Checkpointer:
         barrier_timeout: float = 600.0,
         run_id: str | None = None,
         process_group: Any = None,
+        link_latest: bool = True,
     ) -> None:
         self._closed = True
+        self._link_latest = bool(link_latest)
         if keep_last is not None and (
             isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
         ):
@@ -237,6 +242,8 @@ class Checkpointer:
             commit.check_replaceable(target)
         staged = self._stager.stage(state_dict)
         extra: dict[str, Any] = {"replace": True} if overwrite else {}
+        if not self._link_latest:
+            extra["link_latest"] = False
         if self.world_size > 1:
             extra["attempt"] = f"{self._run_id}.{next(self._attempts)}"
         written = self._process.write(staged, str(target), **extra)
@@ -284,6 +291,17 @@ class Checkpointer:
     def latest(self) -> Path | None:
         """The newest committed checkpoint (what root/latest points at), or None."""
         return commit.latest(self.root)
+
+    def remove(self, name: str) -> Future[None]:
+        """Remove the checkpoint root/name in the writer process, after every save handed over
+        before this call (a pending save of that name is committed, then removed): the training
+        thread never waits, and the removal happens even if the trainer dies first. It vanishes
+        atomically (renamed to a hidden name, then deleted). The Future fails with
+        WriterOSError (errno ENOENT) when nothing of that name exists by then."""
+        if self._closed:
+            raise ClosedError("Checkpointer is closed")
+        commit.check_name(name)
+        return self._process.call(commit.remove_checkpoint, root=str(self.root), name=name)
 
     def close(self, abort: bool = False) -> None:
         """Finish (or, with abort=True, abandon) pending saves and free everything. Idempotent."""

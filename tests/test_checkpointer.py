@@ -624,3 +624,31 @@ def test_a_checkpointer_told_to_wait_for_its_writer_does(tmp_path):
         checkpointer.save({"w": torch.ones(3)})
         assert checkpointer._process.process_creation_future.done()
         checkpointer.wait()
+
+
+@pytest.mark.timeout(120)
+def test_without_a_latest_link_the_newest_commit_is_the_latest(tmp_path):
+    with pyshmckpt.Checkpointer(tmp_path, link_latest=False, config=bounded_config()) as ckpt:
+        ckpt.save({"w": torch.ones(3)}, name="zz-first")
+        ckpt.save({"w": torch.full((3,), 2.0)}, name="aa-second")  # newer, though named lower
+        ckpt.wait(SAVE_TIMEOUT)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["aa-second", "zz-first"]
+        assert ckpt.latest() == tmp_path / "aa-second"
+    assert torch.equal(pyshmckpt.load(tmp_path)["w"], torch.full((3,), 2.0))
+
+
+@pytest.mark.timeout(120)
+def test_remove_runs_in_the_writer_after_the_saves_handed_over_before_it(tmp_path):
+    with pyshmckpt.Checkpointer(tmp_path, config=bounded_config()) as ckpt:
+        saved = ckpt.save({"w": torch.ones(1 << 16)}, name="doomed")
+        removed = ckpt.remove("doomed")  # the save is still pending: removed once committed
+        kept = ckpt.save({"w": torch.zeros(4)}, name="kept")
+        assert removed.result(SAVE_TIMEOUT) is None
+        assert saved.result(SAVE_TIMEOUT) == tmp_path / "doomed"
+        kept.result(SAVE_TIMEOUT)
+        missing = failure_of(ckpt.remove("doomed"), SAVE_TIMEOUT)
+        assert isinstance(missing, pyshmckpt.WriterOSError)
+        assert missing.errno == errno.ENOENT
+        with pytest.raises(pyshmckpt.ConfigError):
+            ckpt.remove("../elsewhere")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name[0] != ".") == ["kept", "latest"]

@@ -232,6 +232,7 @@ class ShmStateSaver:
             # would keep a removed checkpoint's disk space in use).
             optimizer.load_state_dict(copy.deepcopy(optimizer_state))
         self._restore_accelerate_files(files)
+        self._continue_naming(directory, input_dir)
         logger.info("loaded the accelerator's state from %s", directory)
         return directory
 
@@ -295,6 +296,7 @@ class ShmStateSaver:
             keep_last=None if total_limit is None else max(total_limit, 1),
             rank=self._accelerator.process_index,
             world_size=self._accelerator.num_processes,
+            link_latest=False,  # the directory holds Accelerate's entries alone
             **self._options,
         )
         return self._checkpointer
@@ -339,6 +341,15 @@ class ShmStateSaver:
         if newest is None:
             raise os_error(errno.ENOENT, f"no committed checkpoint in {root}", str(root))
         return newest
+
+    def _continue_naming(self, directory: Path, input_dir: Any) -> None:
+        """After loading checkpoint_<i> by automatic naming, the next save is checkpoint_<i+1>
+        (Accelerate's own load_state leaves the iteration at 0, and its next save_state then
+        refuses the existing checkpoint_0)."""
+        project = self._accelerator.project_configuration
+        number = re.fullmatch(r"checkpoint_(\d+)", directory.name)
+        if input_dir is None and project.automatic_checkpoint_naming and number:
+            project.iteration = max(project.iteration, int(number.group(1)) + 1)
 
     def _check_fits(self, directory: Path, main: dict[str, Any], files: dict[str, bytes]) -> None:
         """Raise CheckpointMismatchError unless the checkpoint holds as many models, optimizers

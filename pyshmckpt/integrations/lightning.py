@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import logging
 import os
 import pickle
@@ -167,13 +168,16 @@ class ShmCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the checkpoint at `path`: at once (renamed away, its files deleted in the
-        background), or, while its write is pending, once that write is committed, so the
-        training thread never waits for it."""
+        background), or, while its write is pending, by the writer process right after that
+        write is committed: the training thread never waits for it, and the removal happens even
+        if the trainer dies first (ModelCheckpoint's top-k stays k)."""
         target = _local_path(path)
         with self._lock:
             pending = self._pending.get(target)
-        if pending is not None:
-            pending.add_done_callback(lambda f: self._remove_after(target, f))
+            checkpointer = self._checkpointers.get(target.parent)
+        if pending is not None and checkpointer is not None:
+            removal = checkpointer.remove(target.name)
+            removal.add_done_callback(lambda f: self._removed(target, f))
         else:
             self._remove_now(target)
         self._raise_failure()
@@ -200,7 +204,10 @@ class ShmCheckpointIO(CheckpointIO):
         with self._lock:
             checkpointer = self._checkpointers.get(root)
         if checkpointer is None:
-            checkpointer = Checkpointer(root, rank=0, world_size=1, **self._options)
+            # No `latest` link: the directory holds Lightning's entries alone.
+            checkpointer = Checkpointer(
+                root, rank=0, world_size=1, link_latest=False, **self._options
+            )
             with self._lock:
                 self._checkpointers[root] = checkpointer
         return checkpointer
@@ -219,16 +226,10 @@ class ShmCheckpointIO(CheckpointIO):
             if self._failure is None:
                 self._failure = error
 
-    def _remove_after(self, target: Path, write: Future[Path]) -> None:
-        """Remove `target` once its write is over, unless a newer save of it is pending (a save
-        after the removal: the newer checkpoint stays)."""
-        with self._lock:
-            newer = self._pending.get(target) not in (None, write)
-        if not newer:
-            try:
-                self._remove_now(target)
-            except PyshmckptError as exc:
-                self._fail(f"could not remove checkpoint {target}", exc)
+    def _removed(self, target: Path, removal: Future[None]) -> None:
+        error = removal.exception()
+        if error is not None and not _write_failed_first(error):
+            self._fail(f"could not remove checkpoint {target}", error)
 
     def _remove_now(self, target: Path) -> None:
         with _os_errors(f"cannot remove checkpoint {target}"):
@@ -262,6 +263,12 @@ class ShmCheckpointIO(CheckpointIO):
             failure, self._failure = self._failure, None
         if failure is not None:
             raise as_writer_error(failure, "a checkpoint write failed")
+
+
+def _write_failed_first(error: BaseException) -> bool:
+    """Whether a removal failed only because the write it followed failed (nothing of that
+    name was committed): that write's failure is what is reported."""
+    return isinstance(error, OSError) and error.errno == errno.ENOENT
 
 
 def _global_rank_zero() -> bool:

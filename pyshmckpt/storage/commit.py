@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..errors import CommitError, CommitTimeoutError, ConfigError, os_error
+from ..errors import CommitError, CommitTimeoutError, ConfigError, from_os_error, os_error
 
 logger = logging.getLogger(__name__)
 
@@ -241,14 +241,20 @@ def update_latest(root: Path, name: str) -> None:
 
 
 def latest(root: Path) -> Path | None:
-    """The checkpoint `latest` points at, if it is committed."""
+    """The checkpoint `latest` points at, if it is committed; under a root without that link
+    (saves that do not keep one, `link_latest=False`), the newest committed checkpoint by commit
+    sequence; None when there is none."""
     link = root / LATEST
     with contextlib.suppress(OSError):
         target = str(link.readlink())
         path = root / target
         if not target.startswith(".") and (path / COMMIT_RECORD).exists():
             return path
-    return None
+        return None
+    if link.exists() or not root.is_dir():
+        return None
+    newest = committed(root)
+    return root / newest[-1][1] if newest else None
 
 
 def remove(root: Path, name: str, *, background: bool = False) -> None:
@@ -262,6 +268,15 @@ def remove(root: Path, name: str, *, background: bool = False) -> None:
     (root / name).rename(trash)
     fsync_path(root)
     _delete(trash, background=background)
+
+
+def remove_checkpoint(root: str, name: str) -> None:
+    """`remove` for `Checkpointer.remove`, run in the writer process (deleted in the background:
+    the writer waits for deletions when it closes)."""
+    try:
+        remove(Path(root), name, background=True)
+    except OSError as exc:
+        raise from_os_error(exc, f"cannot remove checkpoint {Path(root) / name}") from exc
 
 
 def _delete(directory: Path, *, background: bool) -> None:
@@ -378,10 +393,12 @@ def commit_directory(
     attempt: str | None = None,
     barrier_timeout: float = 600.0,
     replace: bool = False,
+    link_latest: bool = True,
 ) -> Path:
-    """Write a checkpoint with `fill(temp_dir)`, then commit it as `path`, update `latest`, and
-    apply retention. Nothing is visible under the root until the rename; on any failure the
-    temporary directory is removed and earlier checkpoints are untouched.
+    """Write a checkpoint with `fill(temp_dir)`, then commit it as `path`, update `latest`
+    (unless `link_latest` is False), and apply retention. Nothing is visible under the root
+    until the rename; on any failure the temporary directory is removed and earlier
+    checkpoints are untouched.
 
     `fill` returns the files it wrote (None: every file in the directory), which are fsynced.
     With `replace`, a committed checkpoint at `path` is replaced atomically (see `commit`).
@@ -397,7 +414,7 @@ def commit_directory(
                 f"a multi-rank save needs an attempt id without '-' or '/', not {attempt!r}"
             )
         shared = _SharedCommit(final, rank, world_size, attempt, barrier_timeout, replace)
-        return shared.run(fill, keep_last)
+        return shared.run(fill, keep_last, link_latest)
     if replace and (final.exists() or final.is_symlink()):
         check_replaceable(final)  # before writing anything
     temp = new_temp_dir(root, final.name)
@@ -408,7 +425,8 @@ def commit_directory(
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
-    update_latest(root, final.name)
+    if link_latest:
+        update_latest(root, final.name)
     if keep_last is not None:
         retain(root, keep_last, background=True)
     return final
@@ -445,7 +463,7 @@ class _SharedCommit:
         self.tomb = self.root / f"{FAILED_PREFIX}{final.name}-{attempt}"
         self.done = self.temp / f".rank{rank}.done"
 
-    def run(self, fill: Fill, keep_last: int | None) -> Path:
+    def run(self, fill: Fill, keep_last: int | None, link_latest: bool = True) -> Path:
         if self.final.exists() or self.final.is_symlink():
             if not self.replace:
                 raise os_error(
@@ -466,9 +484,9 @@ class _SharedCommit:
                     f"rank {self.rank} failed to write its files: {type(exc).__name__}: {exc}"
                 )
                 raise
-            return self._finish(deadline, keep_last)
+            return self._finish(deadline, keep_last, link_latest)
 
-    def _finish(self, deadline: float, keep_last: int | None) -> Path:
+    def _finish(self, deadline: float, keep_last: int | None, link_latest: bool) -> Path:
         if self.rank != 0:
             self._wait_for_commit(deadline)
             return self.final
@@ -484,7 +502,8 @@ class _SharedCommit:
         except BaseException as exc:
             self._bury(f"rank 0 could not commit: {type(exc).__name__}: {exc}")
             raise
-        update_latest(self.root, self.name)
+        if link_latest:
+            update_latest(self.root, self.name)
         self._remove_dead_attempts()
         if keep_last is not None:
             retain(self.root, keep_last, background=True)

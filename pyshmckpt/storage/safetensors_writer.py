@@ -246,6 +246,7 @@ class SafetensorsWriter:
             attempt=kwargs.get("attempt"),
             barrier_timeout=self.barrier_timeout,
             replace=bool(kwargs.get("replace", False)),
+            link_latest=bool(kwargs.get("link_latest", True)),
         )
 
     def close(self) -> None:

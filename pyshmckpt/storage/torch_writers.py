@@ -42,6 +42,7 @@ class TorchSaveWriter:
             path, fill, self.keep_last, rank=self.rank, world_size=self.world_size,
             attempt=kwargs.get("attempt"), barrier_timeout=self.barrier_timeout,
             replace=bool(kwargs.get("replace", False)),
+            link_latest=bool(kwargs.get("link_latest", True)),
         )  # fmt: skip
 
     def close(self) -> None:
@@ -69,8 +70,9 @@ class DcpWriter:
                 dcp.save(state_dict, checkpoint_id=os.fspath(temp), no_dist=True)
 
         commit.commit_directory(
-            path, fill, self.keep_last, replace=bool(kwargs.get("replace", False))
-        )
+            path, fill, self.keep_last, replace=bool(kwargs.get("replace", False)),
+            link_latest=bool(kwargs.get("link_latest", True)),
+        )  # fmt: skip
 
     def close(self) -> None:
         _wait_for_deletions()

@@ -280,12 +280,13 @@ class CheckpointProcess:
             failed.set_exception(exc)
             return failed
 
-    def call(self, method: str, **kwargs: Any) -> Future[Any]:
-        """Run ``writer.method(**kwargs)`` in the writer process after every write handed over
-        before it (not in torch's API). Like a write, it is served even when the trainer dies
-        first (``on_trainer_death="finish"``) and bounded by the write timeout; the Future
-        resolves to what the method returned (it must pickle), or fails with `WriterError`
-        carrying its traceback. A closed CheckpointProcess raises ClosedError.
+    def call(self, method: str | Callable[..., Any], **kwargs: Any) -> Future[Any]:
+        """Run ``writer.method(**kwargs)`` (a method name) or ``method(**kwargs)`` (a function
+        the writer process imports by module and name) in the writer process, after every write
+        handed over before it (not in torch's API). Like a write, it is served even when the
+        trainer dies first (``on_trainer_death="finish"``) and bounded by the write timeout; the
+        Future resolves to what it returned (it must pickle), or fails with the error it raised
+        (as a write's errors are given). A closed CheckpointProcess raises ClosedError.
         """
         self._check_open()
         self._check_started()

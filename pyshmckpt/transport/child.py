@@ -370,12 +370,17 @@ def _serve(
 
 
 def _serve_call(request: Request, writer: Any) -> Response:
-    """Run the writer's method the trainer named (`CheckpointProcess.call`)."""
+    """Run what the trainer asked for (`CheckpointProcess.call`): a method of the writer, by
+    name, or a function."""
     try:
-        method = getattr(writer, request.payload["method"])
+        method = request.payload["method"]
+        if isinstance(method, str):
+            method = getattr(writer, method)
         result = method(**request.payload["kwargs"])
-    except BaseException:
-        return Response(Kind.CALL, request.id, ok=False, error=traceback.format_exc())
+    except BaseException as exc:
+        return Response(
+            Kind.CALL, request.id, ok=False, error=traceback.format_exc(), payload=_describe(exc)
+        )
     return Response(Kind.CALL, request.id, ok=True, payload={"result": result})
 
 

@@ -32,12 +32,15 @@ from helpers import (  # noqa: E402
     child_env,
     child_pids,
     free_port,
+    hidden,
     small_tmpfs,
     visible,
+    wait_until,
 )
 
 WORKER = Path(__file__).with_name("accelerate_worker.py")
 RUN_TIMEOUT = 240  # seconds the 2-process run may take (about 10 here)
+SCRIPT = WORKER.with_name("accelerate_script.py")
 
 
 def test_save_is_a_snapshot_and_resuming_matches_an_uninterrupted_run(tmp_path: Path) -> None:
@@ -73,6 +76,8 @@ def test_automatic_naming_keeps_the_newest_total_limit(tmp_path: Path) -> None:
         assert paths[-1] == root / "checkpoint_3"
         assert run.accelerator.save_iteration == 4
         assert visible(root) == ["checkpoint_2", "checkpoint_3"]
+        wait_until(lambda: hidden(root) == [], SAVE_TIMEOUT, "pruned checkpoints' deletion")
+        assert sorted(p.name for p in root.iterdir()) == ["checkpoint_2", "checkpoint_3"]
         for index in (2, 3):
             state = pyshmckpt.load(root / f"checkpoint_{index}")
             for key, tensor in saved[index].items():
@@ -81,6 +86,7 @@ def test_automatic_naming_keeps_the_newest_total_limit(tmp_path: Path) -> None:
         assert saver.load_state() == root / "checkpoint_3"  # the newest
         for key, tensor in run.model.state_dict().items():
             assert torch.equal(tensor, saved[3][key])
+        assert run.accelerator.save_iteration == 4  # the next save is checkpoint_4
         run.accelerator.project_configuration.iteration = 3
         with pytest.raises(pyshmckpt.PathExistsError):
             saver.save_state()
@@ -174,3 +180,25 @@ def test_bad_input_raises_typed_errors(tmp_path: Path) -> None:
     with pytest.raises(pyshmckpt.ClosedError):
         saver.save_state(tmp_path / "after")
     assert visible(tmp_path) == ["ours", "theirs"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+def test_an_unguarded_script_saves_and_a_new_launch_resumes_bitwise(tmp_path: Path) -> None:
+    """A script as people write them (no main guard, no close()): it saves with automatic naming
+    and ends; a new launch resumes with load_state() from the newest checkpoint, bitwise, and
+    its next save continues the numbering. The project directory holds Accelerate's names only."""
+
+    def launch(mode: str) -> str:
+        done = subprocess.run(
+            [sys.executable, str(SCRIPT), str(tmp_path), mode], env=child_env(), cwd=tmp_path,
+            capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        return done.stdout
+
+    launch("save")
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint_0", "checkpoint_1"]
+    assert "resumed checkpoint_1, saved checkpoint_2" in launch("resume")
+    assert sorted(p.name for p in root.iterdir()) == [f"checkpoint_{i}" for i in range(3)]
