@@ -291,13 +291,7 @@ class CheckpointProcess:
         self._check_open()
         self._check_started()
         timeout = self._config.write_timeout_secs
-        writer = self._ensure_writer()
-        try:
-            return writer.submit_call(method, kwargs, timeout)
-        except WriterDiedError as exc:
-            if writer.alive or isinstance(exc, WriterConnectionError):
-                raise
-            return self._ensure_writer().submit_call(method, kwargs, timeout)
+        return self._submit(lambda writer: writer.submit_call(method, kwargs, timeout))
 
     async def write_async(self, state_dict: Any, path: Any, **kwargs: Any) -> None:
         """``await`` form of write(); staging a plain state dict runs off the event loop."""
@@ -423,7 +417,10 @@ class CheckpointProcess:
             "segments": handle.segments(),
         }
         try:
-            future = self._submit(handle.generation, payload)
+            timeout = self._config.write_timeout_secs
+            future = self._submit(
+                lambda writer: writer.submit_write(handle.generation, payload, timeout)
+            )
         except BaseException:
             handle.give_back()
             raise
@@ -442,16 +439,16 @@ class CheckpointProcess:
         future.add_done_callback(done)
         return result
 
-    def _submit(self, generation: int, payload: dict[str, Any]) -> Future[Any]:
-        timeout = self._config.write_timeout_secs
+    def _submit(self, send: Callable[[WriterProcess], Future[Any]]) -> Future[Any]:
+        """`send` a request to the current writer (restarted first if it died)."""
         writer = self._ensure_writer()
         try:
-            return writer.submit_write(generation, payload, timeout)
+            return send(writer)
         except WriterDiedError as exc:
             if writer.alive or isinstance(exc, WriterConnectionError):
                 raise
             # It died between the liveness check and the send: restart it (within the budget).
-            return self._ensure_writer().submit_write(generation, payload, timeout)
+            return send(self._ensure_writer())
 
 
 class WriterProcesses:

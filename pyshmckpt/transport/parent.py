@@ -345,11 +345,11 @@ class WriterProcess:
             raise
 
     def submit_call(
-        self, method: str, kwargs: dict[str, Any], timeout: float | None
+        self, method: str | Callable[..., Any], kwargs: dict[str, Any], timeout: float | None
     ) -> Future[Any]:
-        """Queue one CALL of the writer's `method` with `kwargs`. It is served after every write
-        queued before it, and also when the trainer dies first; the Future resolves to what the
-        method returned."""
+        """Queue one CALL of the writer's `method` (a name; or a function) with `kwargs`. It is
+        served after every write queued before it, and also when the trainer dies first; the
+        Future resolves to what the method returned."""
         answered = self._queue(Kind.CALL, -1, {"method": method, "kwargs": kwargs}, timeout)
         result: Future[Any] = Future()
 
