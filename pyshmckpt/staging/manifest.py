@@ -318,8 +318,10 @@ def make_tensors(
     news = [torch.empty(0, dtype=d).new for d in dtypes]
     if storage is None and len(manifest.blocks):
         raise ConfigTypeError("make_tensors needs the storage the manifest's blocks lie in")
+    # StorageBase's own slicing, without torch's Python wrapper around it (a third of the cost).
+    piece = torch._C.StorageBase.__getitem__
     block_storages = [
-        storage[start : start + nbytes]  # type: ignore[index]
+        piece(storage, slice(start, start + nbytes))
         for start, nbytes in (manifest.blocks + [slot_offset, 0]).tolist()
     ]
     out: list[torch.Tensor] = []

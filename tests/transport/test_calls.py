@@ -107,6 +107,7 @@ TRAINER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_call_made_before_the_trainer_was_killed_still_runs_after_its_write(tmp_path):
     script, journal, target = tmp_path / "trainer.py", tmp_path / "journal", tmp_path / "w.pt"

@@ -85,6 +85,7 @@ def run(tmp_path, source: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torchs_writer_in_an_unguarded_script_starts_without_running_it_again(tmp_path):
     proc = run(tmp_path, TORCH_WRITER)
@@ -93,6 +94,7 @@ def test_torchs_writer_in_an_unguarded_script_starts_without_running_it_again(tm
     assert "same True" in proc.stdout, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_writer_of_an_unguarded_script_fails_to_start_with_the_reason(tmp_path):
     proc = run(tmp_path, SCRIPT_WRITER)
