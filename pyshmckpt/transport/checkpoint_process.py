@@ -331,9 +331,15 @@ class CheckpointProcess:
             raise ClosedError("CheckpointProcess is closed")
 
     def _check_started(self) -> None:
-        """Raise the writer's start error; wait for the start first unless writes may be spooled."""
-        if self._wait_for_start or self.process_creation_future.done():
-            self.process_creation_future.result()
+        """Raise the error of a start that cannot succeed (the writer's init or import failed,
+        or it never answered); wait for the start first unless writes may be spooled. A writer
+        killed while starting is not one: a death like any other, restarted by the next write
+        (within max_restarts)."""
+        future = self.process_creation_future
+        if self._wait_for_start or future.done():
+            error = future.exception()
+            if error is not None and not isinstance(error, WriterDiedError):
+                raise error
 
     def _new_writer(self) -> WriterProcess:
         return WriterProcess(
@@ -380,9 +386,11 @@ class CheckpointProcess:
         self._check_started()  # raises the init error, if any (bounded)
         writer = self._writer
         if not (writer.alive or writer.ready) and self._writers[0] is writer:
-            # The first writer died while starting: its start fails (and with it the writes
-            # spooled for it); that error is this write's too, no restart.
-            self.process_creation_future.result()
+            # The first writer exited while starting: wait for its start to fail (the writes
+            # spooled for it fail with it). Its error is this write's too, unless it was killed.
+            error = self.process_creation_future.exception()
+            if error is not None and not isinstance(error, WriterDiedError):
+                raise error
         with self._lock:
             writer = self._writer
             if writer.alive:

@@ -214,7 +214,9 @@ class WriterProcess:
 
         Raises WriterStartTimeoutError ("Timed out ...", a TimeoutError) when it does not
         acknowledge in time and WriterStartError (a RuntimeError) carrying the child's traceback
-        when initialisation raised or the child exited; spooled writes fail with that error.
+        when initialisation raised or the child exited; WriterDiedError when it was killed by a
+        signal while starting (a death like any other: a later write restarts it). Spooled
+        writes fail with that error.
         """
         process, parent_conn = self._process, self._conn
         if process is None or parent_conn is None:
@@ -227,11 +229,19 @@ class WriterProcess:
         message = self._receive_init(parent_conn, process.sentinel, started + self._init_timeout)
         if isinstance(message, Closed):
             self._join(self._shutdown_timeout)
+            exitcode = self.exitcode
+            if exitcode is not None and exitcode < 0:  # killed (OOM killer, an operator)
+                self._fail_start(
+                    WriterDiedError(
+                        "checkpoint writer process was killed while starting "
+                        f"({describe_exit(exitcode)}); the next write starts a new one"
+                    )
+                )
             hint = "" if self._lean else _SPAWN_HINT
             self._fail_start(
                 WriterStartError(
                     "checkpoint writer process exited during initialization "
-                    f"({describe_exit(self.exitcode)}){hint}"
+                    f"({describe_exit(exitcode)}){hint}"
                 )
             )
         if self._closing:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import textwrap
@@ -20,7 +21,7 @@ from pyshmckpt import CheckpointProcess, CheckpointProcessConfig
 from pyshmckpt.transport import RankInfo
 from pyshmckpt.transport.spool import Spool, SpoolReader
 
-from helpers import SHM, child_env, pid_running, wait_until
+from helpers import SHM, child_env, failure_of, pid_running, wait_until
 
 TIMEOUT = 60
 
@@ -236,3 +237,23 @@ def test_a_write_spooled_before_the_trainer_was_killed(tmp_path, policy):
     else:
         assert not target.exists()
     assert segments_of_session() - before == set()
+
+
+@pytest.mark.timeout(120)
+def test_a_writer_killed_while_starting_is_restarted_by_the_next_write(tmp_path):
+    """Killed while starting (the OOM killer, an operator), a writer is dead like any other: the
+    write it held fails and says so, and the next write restarts it and lands."""
+    gate = tmp_path / "gate"
+    process = gated_process(gate)
+    try:
+        held = process.write({"w": torch.ones(4)}, str(tmp_path / "held.pt"))
+        os.kill(process.pid, signal.SIGKILL)
+        error = failure_of(held, TIMEOUT)
+        assert isinstance(error, pyshmckpt.WriterDiedError), repr(error)
+        assert "killed while starting" in str(error)
+        gate.touch()  # the restarted writer's init passes at once
+        process.write({"w": torch.arange(3)}, str(tmp_path / "later.pt")).result(TIMEOUT)
+        assert torch.equal(torch.load(tmp_path / "later.pt")["w"], torch.arange(3))
+        assert not (tmp_path / "held.pt").exists()
+    finally:
+        process.close()
