@@ -14,6 +14,7 @@ writing into a slot keep it from being reused until they complete.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import gc
 import logging
@@ -195,12 +196,27 @@ class Slot:
         return bool(self.pending)
 
     def close(self) -> None:
-        """Unpin, unlink and unmap our mapping; torch's mapping lives while tensors view it."""
-        for event in self.pending:  # device copies must not land in unmapped memory
-            event.wait(knobs.device_copy_timeout())
+        """Unpin, unlink and unmap our mapping; torch's mapping lives while tensors view it.
+
+        Device copies must never land in memory that was unpinned and unmapped: if one has not
+        completed within the device-copy timeout, the slot is unlinked (its name goes) but its
+        memory stays pinned and mapped for the rest of the process, and that is logged.
+        """
+        timeout = knobs.device_copy_timeout()
+        unfinished = [event for event in self.pending if not event.wait(timeout)]
         self.pending = []
         sharing.unregister_slot(self.storage)
         self._bases.clear()
+        if unfinished:
+            logger.error(
+                "slot %s: %d device copies still running after %.3g s; its memory stays mapped "
+                "and pinned until the process exits, so that they cannot corrupt other memory",
+                self.name, len(unfinished), timeout,
+            )  # fmt: skip
+            _KEPT_MAPPED.append(self.segment)
+            with contextlib.suppress(OSError):
+                self.segment.unlink()
+            return
         self.segment.close()
 
     def __repr__(self) -> str:
@@ -208,6 +224,10 @@ class Slot:
             f"<Slot {self.index} {self.name} {self.state.value} "
             f"generation={self.generation} capacity={self.capacity}>"
         )
+
+
+# Segments a device copy may still write into (see `Slot.close`): never unmapped.
+_KEPT_MAPPED: list[Segment] = []
 
 
 class Arena:

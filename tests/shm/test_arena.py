@@ -298,3 +298,25 @@ def test_a_full_dev_shm_fails_a_slot_write_cleanly_and_the_slot_is_written_once_
         pytest.skip(f"cannot mount a small /dev/shm, or one thread: {done.stderr.strip()}")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+class CopyStillRunning:
+    """A test double of a device copy's event (no GPU here) that never completes."""
+
+    def wait(self, timeout: float) -> bool:
+        return False
+
+    def query(self) -> bool:
+        return False
+
+
+def test_a_slot_a_device_copy_may_still_write_is_never_unmapped(caplog):
+    arena = Arena(MIB, 1, pin=False)
+    slot = arena.slots[0]
+    slot.pending.append(CopyStillRunning())
+    address, size = int(slot.segment.address), int(slot.segment.mapped_size)
+    arena.close()
+    assert not slot.segment.closed  # still mapped: a late copy lands in our memory, not another's
+    assert slot.segment.unlinked  # but its name is gone from /dev/shm
+    assert "stays mapped" in caplog.text
+    assert (address, size) == (int(slot.segment.address), int(slot.segment.mapped_size))
