@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "errors.h"
+#include "page_populate.h"
 #include "stream_copy.h"
 #include "thread_pool.h"
 
@@ -150,21 +151,9 @@ bool fill_through_mapping(Segment& segment, const CopyEntry* first, const CopyEn
   const std::uint64_t start = first->dst / page * page;
   end = std::min<std::uint64_t>((end + page - 1) / page * page, segment.mapped_size());
   std::uint8_t* base = segment.base();
-  int rc;
-  do {
-    rc = madvise(base + start, end - start, MADV_POPULATE_WRITE);
-  } while (rc != 0 && errno == EINTR);
-  if (rc != 0) {
-    const int err = errno;
-    if (err == EINVAL) {
-      populate_write_missing.store(true, std::memory_order_relaxed);
-      return false;
-    }
-    if (err == EFAULT || err == ENOSPC) {  // EFAULT: where a touch would have raised SIGBUS
-      throw SyscallError(ENOSPC, "madvise(MADV_POPULATE_WRITE)", segment.name(),
-                         "not enough shared memory to fill the segment (or its file was cut short)");
-    }
-    throw SyscallError(err, "madvise(MADV_POPULATE_WRITE)", segment.name(), std::strerror(err));
+  if (!populate_for_writing(base + start, end - start, segment.name())) {
+    populate_write_missing.store(true, std::memory_order_relaxed);
+    return false;
   }
   for (const CopyEntry* e = first; e != last; ++e) {
     stream_copy(base + e->dst, reinterpret_cast<const void*>(e->src), e->nbytes);

@@ -13,19 +13,15 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 
 #include "errors.h"
+#include "page_populate.h"
 #include "pinning.h"
 #include "thread_pool.h"
-
-#ifndef MADV_POPULATE_READ
-#define MADV_POPULATE_READ 22
-#endif
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23
-#endif
 
 namespace pyshmckpt {
 namespace {
@@ -100,17 +96,21 @@ void populate_pages(std::uint8_t* ptr, std::size_t nbytes, const std::string& na
   const std::size_t wanted = (total / (4 * pool.num_threads()) + page - 1) & ~(page - 1);
   const std::size_t chunk = std::clamp<std::size_t>(wanted, page, 64u << 20);
   const std::size_t count = (total + chunk - 1) / chunk;
-  std::atomic<int> failure{0};
+  std::atomic<bool> failed{false};
   std::atomic<bool> fallback{false};
+  std::mutex error_mutex;
+  std::exception_ptr error;
   pool.parallel_for(count, [&](std::size_t i) {
-    if (failure.load(std::memory_order_relaxed) != 0) return;
+    if (failed.load(std::memory_order_relaxed)) return;
     auto* start = reinterpret_cast<std::uint8_t*>(begin + i * chunk);
     std::size_t len = std::min(chunk, total - i * chunk);
     if (!fallback.load(std::memory_order_relaxed)) {
-      if (madvise(start, len, MADV_POPULATE_WRITE) == 0) return;
-      int err = errno;
-      if (err != EINVAL) {
-        failure.store(err);
+      try {
+        if (populate_for_writing(start, len, name)) return;
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mutex);
+        if (!error) error = std::current_exception();
+        failed.store(true);
         return;
       }
       fallback.store(true);
@@ -121,13 +121,7 @@ void populate_pages(std::uint8_t* ptr, std::size_t nbytes, const std::string& na
       *p = *p;
     }
   });
-  int err = failure.load();
-  // EFAULT: the fault would have raised SIGBUS, which tmpfs does when it is full.
-  if (err == EFAULT || err == ENOSPC) {
-    throw_errno("madvise(MADV_POPULATE_WRITE)", name, ENOSPC,
-                "not enough shared memory to allocate " + std::to_string(nbytes) + " bytes");
-  }
-  if (err != 0) throw_errno("madvise(MADV_POPULATE_WRITE)", name, err);
+  if (error) std::rethrow_exception(error);
 }
 
 Segment Segment::create(std::size_t size, const std::string& prefix, bool populate) {
@@ -257,9 +251,8 @@ void Segment::allocate_pages(std::size_t offset, std::size_t nbytes) {
                                     std::to_string(end - offset) + " bytes"
                               : "");
   }
-  if (madvise(base_ + offset, end - offset, MADV_POPULATE_WRITE) != 0 && errno != EINVAL) {
-    throw_errno("madvise(MADV_POPULATE_WRITE)", name_);
-  }
+  // Allocated already: mapping the pages ahead is all this adds (nothing on kernels without it).
+  populate_for_writing(base_ + offset, end - offset, name_);
 }
 
 void Segment::map_pages_for_reading(std::size_t nbytes) {
@@ -267,8 +260,7 @@ void Segment::map_pages_for_reading(std::size_t nbytes) {
   const std::size_t page = page_size();
   const std::size_t wanted = nbytes == 0 ? mapped_size() : std::min(nbytes, mapped_size());
   const std::size_t length = (wanted + page - 1) / page * page;
-  if (madvise(base_, length, MADV_POPULATE_READ) == 0) return;
-  if (errno != EINVAL) throw_errno("madvise(MADV_POPULATE_READ)", name_);
+  if (populate_for_reading(base_, length, name_)) return;
   // Kernels before 5.14: read one byte of each page.
   for (std::size_t off = 0; off < length; off += page) {
     (void)*static_cast<volatile const std::uint8_t*>(base_ + off);

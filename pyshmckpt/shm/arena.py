@@ -386,16 +386,8 @@ class Arena:
 
     def transition(self, slot: Slot, state: SlotState) -> None:
         with self._cond:
-            if state not in _TRANSITIONS[slot.state]:
-                raise SlotStateError(
-                    f"slot {slot.index} of {self.name} cannot go from {slot.state.value} "
-                    f"to {state.value}"
-                )
             leaving_write = slot.state is SlotState.WRITING and state is not SlotState.WRITING
-            slot.state = state
-            if state is SlotState.FREE:
-                slot.manifest = None
-                slot.staged_id = None
+            self._move(slot, state)
             self._cond.notify_all()
             close_now = self.closed and leaving_write and slot in self._writing_at_close
             if close_now:
@@ -403,12 +395,22 @@ class Arena:
         if close_now:  # the writer is done with it: what close() left for it happens now
             slot.close()
 
-    def _available(self, slot: Slot) -> bool:
-        if slot.state is SlotState.READY and not slot.referenced():
-            # Nobody holds the staged tensors any more: the slot is free again.
-            slot.state = SlotState.FREE
+    def _move(self, slot: Slot, state: SlotState) -> None:
+        """The one place a slot's state changes (the lock held), checked against the state
+        machine: SlotStateError for a move it does not allow."""
+        if state not in _TRANSITIONS[slot.state]:
+            raise SlotStateError(
+                f"slot {slot.index} of {self.name} cannot go from {slot.state.value} "
+                f"to {state.value}"
+            )
+        slot.state = state
+        if state is SlotState.FREE:
             slot.manifest = None
             slot.staged_id = None
+
+    def _available(self, slot: Slot) -> bool:
+        if slot.state is SlotState.READY and not slot.referenced():
+            self._move(slot, SlotState.FREE)  # nobody holds the staged tensors any more
         return slot.state is SlotState.FREE and not slot.copies_pending()
 
     def acquire(self, generation: int, timeout: float) -> Slot:
@@ -427,7 +429,7 @@ class Arena:
                     raise StagerClosedError(f"arena {self.name} is closed")
                 for slot in self.slots:
                     if slot.ready and self._available(slot):
-                        slot.state = SlotState.STAGING
+                        self._move(slot, SlotState.STAGING)
                         slot.generation = generation
                         return slot
                 now = time.monotonic()

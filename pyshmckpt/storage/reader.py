@@ -8,6 +8,7 @@ import json
 import logging
 import mmap
 import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
@@ -529,6 +530,20 @@ def _open(path: str | os.PathLike[str], rank: int) -> _Opened:
     return json_path, st_path, described, header, mapped, f
 
 
+@contextlib.contextmanager
+def _mapped(path: str | os.PathLike[str], rank: int) -> Iterator[tuple[Path, Any, Any, memoryview]]:
+    """A rank's data file path, manifest, header and a view of the file's map, unmapped at the
+    end (tensors made from the view must be gone by then)."""
+    _, st_path, described, header, mapped, f = _open(path, rank)
+    f.close()
+    view = memoryview(mapped)
+    try:
+        yield st_path, described, header, view
+    finally:
+        view.release()
+        mapped.close()
+
+
 def ranks(path: str | os.PathLike[str]) -> list[int]:
     """The ranks a checkpoint holds files of: every rank of the world size its commit recorded
     (without a commit record, the ranks whose manifests are present)."""
@@ -553,29 +568,27 @@ def verify(path: str | os.PathLike[str], rank: int = 0) -> int:
 
     Returns the number of tensors; raises CheckpointCorruptError.
     """
-    _, st_path, described, header, mapped, f = _open(path, rank)
-    f.close()
-    view = memoryview(mapped)
-    _verify(st_path, view, header, described.get("entries"))
-    tensors = _tensors(st_path, view, header, described.get("tensors"))
-    # The structure too; pickled parts are only checked for presence, never unpickled.
-    with contextlib.suppress(PickleNotAllowedError):
-        tree_codec.decode(
-            described.get("tree"),
-            tensors,
-            allow_pickle=False,
-            where=str(st_path.with_suffix(".json")),
-        )
-    return len(tensors)
+    with _mapped(path, rank) as (st_path, described, header, view):
+        _verify(st_path, view, header, described.get("entries"))
+        tensors = _tensors(st_path, view, header, described.get("tensors"))
+        # The structure too; pickled parts are only checked for presence, never unpickled.
+        with contextlib.suppress(PickleNotAllowedError):
+            tree_codec.decode(
+                described.get("tree"),
+                tensors,
+                allow_pickle=False,
+                where=str(st_path.with_suffix(".json")),
+            )
+        count = len(tensors)
+        del tensors  # they view the map, which is closed next
+    return count
 
 
 def describe(path: str | os.PathLike[str], rank: int = 0) -> list[dict[str, Any]]:
     """One row per tensor: name, dtype, shape, bytes, the file entry holding it, and for a
     DTensor's local shard its `ShardInfo` (else None)."""
-    _, st_path, described, header, mapped, f = _open(path, rank)
-    f.close()
-    view = memoryview(mapped)
-    _tensors(st_path, view, header, described.get("tensors"))  # validates every description
+    with _mapped(path, rank) as (st_path, described, header, view):
+        _tensors(st_path, view, header, described.get("tensors"))  # validates every description
     return [
         {
             "name": t.get("name", "?"),

@@ -351,8 +351,11 @@ def _finish_orphaned(
     close = getattr(writer, "close", None)
     if callable(close):
         watch.busy(True)
-        with contextlib.suppress(Exception):
+        try:
             close()
+        except Exception:
+            failed += 1
+            logger.exception("closing the writer after the trainer's death failed")
     watch.exit(1 if failed else 0)
 
 

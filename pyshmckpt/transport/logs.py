@@ -41,7 +41,7 @@ class ForwardingHandler(logging.Handler):
         try:
             self._send(_picklable(record))
         except Exception:  # a log record must never fail the write that logged it
-            pass
+            self.handleError(record)  # logging's own report (stderr, when raiseExceptions)
         finally:
             self._local.busy = False
 

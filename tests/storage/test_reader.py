@@ -605,3 +605,15 @@ def test_a_file_truncated_while_loading_is_reported(big_checkpoint, tmp_path):
             reader._rank_file(opened_files, 0, False, verify_all=True, in_memory=True)
     assert Path(info.value.path) == st
     assert info.value.tensor is not None
+
+
+def test_verify_and_describe_leave_no_map_of_the_file(int_checkpoint: Path) -> None:
+    def maps_of_the_file() -> int:
+        with Path("/proc/self/maps").open() as maps:
+            return sum(str(int_checkpoint) in line for line in maps)
+
+    assert maps_of_the_file() == 0
+    assert pyshmckpt.verify(int_checkpoint) == 2
+    assert maps_of_the_file() == 0
+    assert [row["name"] for row in reader.describe(int_checkpoint)] == ["ids", "w"]
+    assert maps_of_the_file() == 0

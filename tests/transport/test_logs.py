@@ -159,3 +159,14 @@ def test_forwarded_records_keep_what_a_handler_needs(caplog):
     assert record.levelno == logging.ERROR
     assert "No space left on device" in record.exc_text
     assert record.object.startswith("<object object")
+
+
+def test_a_record_that_cannot_be_forwarded_is_reported_as_logging_reports_it(capsys):
+    def broken(fields: dict) -> bool:
+        raise RuntimeError("the channel broke on purpose")
+
+    handler = logs.ForwardingHandler(broken)
+    handler.emit(logging.LogRecord("tests.logs", logging.WARNING, __file__, 1, "hi", None, None))
+    err = capsys.readouterr().err
+    assert "Logging error" in err
+    assert "the channel broke on purpose" in err
