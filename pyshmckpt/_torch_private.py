@@ -19,6 +19,7 @@ import torch
 REQUIRED: list[tuple[str, str]] = [
     ("torch.UntypedStorage", "_new_shared_fd_cpu"),
     ("torch._C", "_storage_Use_Count"),
+    ("torch._C", "StorageBase"),
     ("torch.UntypedStorage", "_cdata"),
     # DTensors: their local shard and spec, where a shard lies, and building one over a slot.
     ("torch.distributed.tensor.DTensor", "_local_tensor"),
@@ -45,6 +46,13 @@ def shared_fd_storage(fd: int, nbytes: int) -> torch.UntypedStorage:
     allocator: torch's multiprocessing pickler then sends it as this one descriptor."""
     new = torch.UntypedStorage._new_shared_fd_cpu  # type: ignore[attr-defined]
     return new(fd, nbytes)
+
+
+def storage_slice(storage: torch.UntypedStorage, start: int, stop: int) -> torch.UntypedStorage:
+    """``storage[start:stop]`` (a storage sharing those bytes and holding `storage`) by
+    StorageBase's own slicing, without torch's Python wrapper around it (a third of the cost)."""
+    getitem: Any = getattr(torch._C.StorageBase, "__getitem__")  # noqa: B009
+    return getitem(storage, slice(start, stop))
 
 
 def storage_use_count(storage: torch.UntypedStorage) -> int:

@@ -172,3 +172,64 @@ def test_a_trainer_that_dies_of_an_exception_still_persists_its_staged_save(tmp_
     assert (root / "latest").readlink() == Path("final")
     assert_same_tree(expected_state(0), pyshmckpt.load(root))
     assert segments_of_session() - before == set()
+
+
+RESTARTED = textwrap.dedent(
+    """
+    # A training script under `torchrun --max-restarts 1`: its first attempt saves, then its
+    # worker's process group gets SIGTERM right after save() returned (what torch's elastic agent
+    # sends each worker's group to stop a worker group); the restarted attempt finds the save.
+    import json, os, signal, sys, time
+
+    import torch
+    import torch.distributed as dist
+
+    import pyshmckpt
+
+    root = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    state = {"w": torch.full((1024, 64), float(rank)), "step": 12}
+    checkpointer = pyshmckpt.Checkpointer(
+        root, barrier_timeout=60,
+        config=pyshmckpt.CheckpointProcessConfig(write_timeout_secs=60),
+    )
+    if attempt == 0:
+        checkpointer.save(state, name="step00012")
+        os.killpg(os.getpgid(0), signal.SIGTERM)  # this worker's group: it dies, its writer not
+        time.sleep(60)
+    deadline = time.monotonic() + 60
+    while checkpointer.latest() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    loaded = pyshmckpt.load(root, rank=rank)
+    same = bool(torch.equal(loaded["w"], state["w"])) and loaded["step"] == 12
+    print(json.dumps({"rank": rank, "attempt": attempt, "same": same}), flush=True)
+    checkpointer.close()
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_save_outlives_its_worker_group_sigtermed_by_a_torchrun_restart(tmp_path):
+    from helpers import free_port
+
+    script = tmp_path / "train.py"
+    script.write_text(RESTARTED)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--max-restarts", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+         str(script), str(tmp_path / "root")],
+        # A restart's process group needs its own store (a torch issue, not ours).
+        env={**child_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert sorted((r["rank"], r["attempt"], r["same"]) for r in reports) == [
+        (0, 1, True), (1, 1, True),
+    ]  # fmt: skip
+    assert [name for _, name in pyshmckpt.storage.commit.committed(tmp_path / "root")] == [
+        "step00012"
+    ]

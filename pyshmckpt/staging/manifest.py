@@ -313,15 +313,15 @@ def make_tensors(
     """
     import torch
 
+    from .. import _torch_private
+
     dtypes = [torch_dtypes()[name] for name in manifest.dtypes]
     sizes = [d.itemsize for d in dtypes]
     news = [torch.empty(0, dtype=d).new for d in dtypes]
     if storage is None and len(manifest.blocks):
         raise ConfigTypeError("make_tensors needs the storage the manifest's blocks lie in")
-    # StorageBase's own slicing, without torch's Python wrapper around it (a third of the cost).
-    piece = torch._C.StorageBase.__getitem__
     block_storages = [
-        piece(storage, slice(start, start + nbytes))
+        _torch_private.storage_slice(storage, start, start + nbytes)  # type: ignore[arg-type]
         for start, nbytes in (manifest.blocks + [slot_offset, 0]).tolist()
     ]
     out: list[torch.Tensor] = []

@@ -1102,7 +1102,9 @@ def _fake_header_segment(prefix: str, owner_pid: int, start_ticks: int) -> str:
 
 
 def test_stale_segments_of_dead_owners_are_collected_and_live_ones_kept(tmp_path):
-    prefix = os.environ["PYSHMCKPT_SEGMENT_PREFIX"]
+    # A prefix of this test's own: every CheckpointProcess the other worker starts collects the
+    # session prefix's stale segments, these among them.
+    prefix = os.environ["PYSHMCKPT_SEGMENT_PREFIX"] + "_gc"
     created: list[str] = []
     live = None
     try:
@@ -1119,7 +1121,8 @@ def test_stale_segments_of_dead_owners_are_collected_and_live_ones_kept(tmp_path
 
         dry = subprocess.run(
             [sys.executable, "-m", "pyshmckpt", "gc", "--dry-run"],
-            capture_output=True, text=True, timeout=120, env=child_env(), check=True,
+            capture_output=True, text=True, timeout=120, check=True,
+            env={**child_env(), "PYSHMCKPT_SEGMENT_PREFIX": prefix},
             cwd="/",  # not the checkout, whose source tree would shadow the installed package
         )  # fmt: skip
         lines = dry.stdout.splitlines()
@@ -1129,7 +1132,7 @@ def test_stale_segments_of_dead_owners_are_collected_and_live_ones_kept(tmp_path
         assert (SHM / orphan).exists()  # a dry run removes nothing
         assert (SHM / reused).exists()
 
-        removed = {info.name: info for info in pyshmckpt.collect_stale_segments()}
+        removed = {info.name: info for info in pyshmckpt.collect_stale_segments(prefix)}
         assert orphan in removed
         assert reused in removed
         assert removed[orphan].reason == "owner process is gone"
@@ -1138,7 +1141,7 @@ def test_stale_segments_of_dead_owners_are_collected_and_live_ones_kept(tmp_path
         assert not (SHM / orphan).exists()
         assert not (SHM / reused).exists()
         assert (SHM / live.name).exists()
-        assert pyshmckpt.collect_stale_segments() == []  # nothing stale is left
+        assert pyshmckpt.collect_stale_segments(prefix) == []  # nothing stale is left
     finally:
         if live is not None:
             live.close()
