@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ..errors import PathNotFoundError, from_os_error
+from ..errors import PathNotFoundError, ProtocolError, from_os_error
 from .address import SlotAddress
 from .native import Segment
 from .stale import SHM_DIR
@@ -75,6 +75,7 @@ class AttachedSegments:
         self._segments: dict[str, Segment] = {}
         self._mapped: dict[str, int] = {}  # bytes from each segment's start mapped so far
         self._known: set[str] = set()
+        self._unattachable: dict[str, BaseException] = {}  # name -> why it could not be attached
         # Taken by the main loop and by the orphan's watchdog thread (unlink_all); never by a
         # signal handler (the parent-death one only wakes the watch thread).
         self._lock = threading.Lock()
@@ -83,9 +84,10 @@ class AttachedSegments:
         """Attach newly described segments ((name, data size, token), as
         `ShmStager.segments` lists them); close those no longer described (retired arenas).
 
-        A described segment that no longer exists is skipped: the trainer closed its arena after
-        describing it (a slot still leased to a write stays until the write is answered, see
-        `Arena.close`); a write that reads it fails in `slot()`."""
+        Each segment is attached on its own: one that cannot be (gone because the trainer closed
+        its arena after describing it, or not whole because the trainer died while creating it)
+        never keeps the others from being attached; a write that reads it fails in `slot()`
+        with that segment's own error."""
         described = list(described)
         names = {name for name, _, _ in described}
         with self._lock:
@@ -95,16 +97,22 @@ class AttachedSegments:
                     self._segments.pop(name).close()
                     self._mapped.pop(name, None)
             for name, size, token in described:
-                if name not in self._segments:
-                    try:
-                        segment = Segment.attach(name, size, token, map_pages=False)
-                    except FileNotFoundError:
-                        logger.debug("%s is gone: its arena was closed", name)
-                        continue
-                    except OSError as exc:
-                        raise from_os_error(exc, f"cannot attach slot {name}") from exc
-                    self._segments[name] = segment
-                    logger.debug("attached %s (%d bytes)", name, size)
+                if name in self._segments:
+                    continue
+                try:
+                    segment = Segment.attach(name, size, token, map_pages=False)
+                except Exception as exc:
+                    error = (
+                        from_os_error(exc, f"cannot attach slot {name}")
+                        if isinstance(exc, OSError)
+                        else ProtocolError(f"cannot attach slot {name}: {exc}")  # not as described
+                    )
+                    self._unattachable[name] = error
+                    logger.debug("cannot attach %s: %s", name, exc)
+                    continue
+                self._unattachable.pop(name, None)
+                self._segments[name] = segment
+                logger.debug("attached %s (%d bytes)", name, size)
 
     def note(self, names: Iterable[str]) -> None:
         """Remember segment names the trainer described without attaching them (for cleanup)."""
@@ -121,6 +129,9 @@ class AttachedSegments:
         with self._lock:
             segment = self._segments.get(address.name)
             if segment is None:
+                error = self._unattachable.get(address.name)
+                if error is not None:
+                    raise error
                 raise PathNotFoundError(
                     errno.ENOENT, f"slot {address.name} is not attached: its segment is gone"
                 )

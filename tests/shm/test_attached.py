@@ -59,3 +59,31 @@ def test_a_write_maps_the_bytes_it_reads_and_a_larger_one_the_rest():
         attached.sync([])
         other.sync([])
         arena.close()
+
+
+def test_a_segment_that_cannot_be_attached_never_keeps_the_others_from_being_attached():
+    import pytest
+
+    from pyshmckpt import PathNotFoundError, PyshmckptError
+    from pyshmckpt.shm.address import SlotAddress
+
+    arena = Arena(1 << 20, 2, pin=False)
+    attached = AttachedSegments()
+    try:
+        gone, whole = arena.slots
+        described = [(s.name, int(s.segment.size), bytes(s.segment.token)) for s in arena.slots]
+        wrong_token = [(whole.name, int(whole.segment.size), bytes(16))]
+        gone.segment.unlink()  # the trainer closed it after describing it
+        attached.sync([described[0], *wrong_token])  # listed first: neither is attachable
+        with pytest.raises(PathNotFoundError):
+            attached.slot(gone.address())
+        with pytest.raises(PyshmckptError):
+            attached.slot(whole.address())
+        attached.sync(described)  # the right token: attached now, whatever failed before it
+        assert attached.names() == {whole.name}
+        assert attached.slot(whole.address()).memoryview().nbytes > 0
+        with pytest.raises(PathNotFoundError):
+            attached.slot(SlotAddress("pyshmckpt-never-described", 0, 0, bytes(16)))
+    finally:
+        attached.sync([])
+        arena.close()
