@@ -1,7 +1,7 @@
 """Soak test of the never-lose promise, run on demand (not in CI): rounds of saves, each round
 with one random fault, and a count of what went wrong.
 
-    python bench/soak.py --rounds 100 [--seed 1] [--root DIR]
+    python bench/soak.py --rounds 100 [--busy 3] [--seed 1] [--root DIR]
 
 Each round starts a trainer process that saves a few checkpoints through a `Checkpointer` and
 meets one fault:
@@ -17,7 +17,9 @@ After each round it counts: torn visible checkpoints (a visible checkpoint that 
 `pyshmckpt.verify` or holds other values than were saved), leaked shared-memory segments, hangs
 (a trainer or writer still alive past its bound), and lost checkpoints: a save that returned
 (staged) and was neither committed nor reported failed, while its writer lived. Goal: 0 0 0 0.
-Needs root for the small tmpfs of the disk-full rounds (skipped without it).
+Needs root for the small tmpfs of the disk-full rounds (skipped without it). ``--busy N`` runs N
+busy loops beside the rounds for their whole length: a machine as busy as a training node, where
+every start and every write is slowed and races show.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import tempfile
 import textwrap
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 FAULTS = ("trainer", "writer", "both", "disk-full", "hung")
@@ -238,7 +241,25 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--root", type=Path, help="checkpoint root (default: a temporary dir)")
+    parser.add_argument("--busy", type=int, default=0, help="busy loops beside the rounds")
     args = parser.parse_args()
+    with busy_loops(args.busy):
+        return soak(args)
+
+
+@contextlib.contextmanager
+def busy_loops(count: int) -> Iterator[None]:
+    """`count` processes spinning on a core each while the block runs."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
+def soak(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     prefix = f"pyshmckpt-soak{os.getpid()}"
     totals: Counter[str] = Counter()
@@ -272,7 +293,8 @@ def main() -> int:
             p.unlink(missing_ok=True)
     elapsed = time.monotonic() - started
     goal = ("torn checkpoints", "leaked segments", "hangs", "lost checkpoints")
-    print(f"\n{args.rounds} rounds in {elapsed:.0f} s; faults: {dict(per_fault)}")
+    busy = f", {args.busy} busy loops beside them" if args.busy else ""
+    print(f"\n{args.rounds} rounds in {elapsed:.0f} s{busy}; faults: {dict(per_fault)}")
     for key in goal:
         print(f"{key}: {totals.get(key, 0)}")
     print("also:", {k: v for k, v in totals.items() if k not in goal})
