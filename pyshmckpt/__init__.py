@@ -50,6 +50,7 @@ from .errors import (
     WriterShutdownTimeoutError,
     WriterStartError,
     WriterStartTimeoutError,
+    WriteStalledError,
     WriteTimeoutError,
 )
 
@@ -132,6 +133,7 @@ __all__ = [
     "StagingTimeoutError",
     "TensorEntry",
     "UnsupportedValueError",
+    "WriteStalledError",
     "WriteTimeoutError",
     "WriterConnectionError",
     "WriterDiedError",

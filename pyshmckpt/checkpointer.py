@@ -22,14 +22,16 @@ from typing import Any
 
 from .errors import (
     ClosedError,
+    CommitError,
     ConfigError,
     ConfigTypeError,
+    WriterError,
     WriterStartTimeoutError,
     from_os_error,
     os_error,
 )
 from .staging import ShmStager
-from .storage import commit, tree_codec, writer_spec
+from .storage import commit, liveness, tree_codec, writer_spec
 from .transport import CheckpointProcess, CheckpointProcessConfig, RankInfo, no_init
 
 logger = logging.getLogger(__name__)
@@ -183,6 +185,12 @@ class Checkpointer:
             commit.clean_leftovers(self.root)  # other ranks' temporaries may be in progress
         self._run_id = _run_id(run_id, self.world_size, process_group)
         self._attempts = itertools.count(1)
+        # The other ranks' writers see this rank alive while its trainer runs (see `liveness`).
+        self._heartbeat = (
+            liveness.Heartbeat(liveness.beat_path(self.root, self._run_id, self.rank))
+            if self.world_size > 1
+            else None
+        )
         plain_only = spec.needs_plain_leaves and not self._allow_pickle
         # The first save never waits for the writer to start.
         base = CheckpointProcessConfig.starting_in_background(config)
@@ -201,6 +209,8 @@ class Checkpointer:
             )
         except BaseException:
             self._process.close(abort=True)
+            if self._heartbeat is not None:
+                self._heartbeat.stop(remove=True)
             raise
         self._pending: list[Future[Path]] = []
         self._lock = threading.Lock()
@@ -208,7 +218,7 @@ class Checkpointer:
         # Finalizers run newest first at interpreter exit: without this one (made last), the
         # stager's would unlink the slots before the process's finished the saves reading them.
         self._finalizer = weakref.finalize(
-            self, Checkpointer._finalize, self._process, self._stager
+            self, Checkpointer._finalize, self._process, self._stager, self._heartbeat
         )
         self._closed = False
 
@@ -244,8 +254,9 @@ class Checkpointer:
         extra: dict[str, Any] = {"replace": True} if overwrite else {}
         if not self._link_latest:
             extra["link_latest"] = False
+        attempt = None
         if self.world_size > 1:
-            extra["attempt"] = f"{self._run_id}.{next(self._attempts)}"
+            attempt = extra["attempt"] = f"{self._run_id}.{next(self._attempts)}"
         written = self._process.write(staged, str(target), **extra)
         del staged  # its slot frees itself once written and unreferenced
         result: Future[Path] = Future()
@@ -253,6 +264,13 @@ class Checkpointer:
         def done(f: Future[None]) -> None:
             exc = f.exception()
             if exc is not None:
+                if attempt is not None and not isinstance(exc, (CommitError, WriterError)):
+                    # The writer never finished its part (it died, was killed or stopped): the
+                    # other ranks stop waiting for it now rather than at the barrier timeout.
+                    commit.abandon(
+                        self.root, name, attempt, self.rank, self.world_size,
+                        f"rank {self.rank}'s write failed: {type(exc).__name__}: {exc}",
+                    )  # fmt: skip
                 result.set_exception(exc)
             else:
                 result.set_result(target)
@@ -313,9 +331,13 @@ class Checkpointer:
             self._process.close(abort=abort)
         finally:
             self._stager.close()
+            if self._heartbeat is not None:
+                self._heartbeat.stop(remove=True)
 
     @staticmethod
-    def _finalize(process: CheckpointProcess, stager: ShmStager) -> None:
+    def _finalize(
+        process: CheckpointProcess, stager: ShmStager, heartbeat: liveness.Heartbeat | None
+    ) -> None:
         """Finish the pending saves, then free the slots (never raises: at exit or collection)."""
         try:
             process.close()
@@ -323,6 +345,8 @@ class Checkpointer:
             logger.error("closing the checkpoint writer failed: %s", exc)
         finally:
             stager.close()
+            if heartbeat is not None:
+                heartbeat.stop(remove=True)
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -213,6 +213,11 @@ class WriteTimeoutError(PyshmckptError, TimeoutError):
     """A write took longer than its write timeout; the writer process was killed first."""
 
 
+class WriteStalledError(WriteTimeoutError):
+    """A write made no progress for the stall timeout (a hung filesystem, a stopped writer);
+    the writer process was killed first."""
+
+
 class WriterShutdownTimeoutError(PyshmckptError, TimeoutError):
     """The writer process was still alive after SIGKILL and the shutdown timeout."""
 

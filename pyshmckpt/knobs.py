@@ -73,6 +73,14 @@ def device_copy_timeout() -> float:
     return _env_float("PYSHMCKPT_DEVICE_COPY_TIMEOUT", 300.0, 0.0)
 
 
+def heartbeat_timeout() -> float:
+    """PYSHMCKPT_HEARTBEAT_TIMEOUT: seconds without a heartbeat after which a rank's processes
+    count as gone and a checkpoint the ranks write together is given up (default 10: ten missed
+    beats, far beyond a scheduling delay on a busy node, yet a lost node costs seconds, not the
+    barrier timeout)."""
+    return _env_float("PYSHMCKPT_HEARTBEAT_TIMEOUT", 10.0, 1.0)
+
+
 def segment_prefix() -> str:
     """PYSHMCKPT_SEGMENT_PREFIX: name prefix of our /dev/shm segments (default "pyshmckpt")."""
     prefix = os.environ.get("PYSHMCKPT_SEGMENT_PREFIX") or "pyshmckpt"

@@ -16,7 +16,9 @@ renaming it: whichever of the claim and the withdrawal comes first decides, atom
 the attempt can still be committed. Any rank that fails or gives up writes a tombstone
 ``root/.failed-<name>-<attempt>`` with its reason: every other rank stops at once with that
 reason, and nothing is committed. The other ranks return once the committed checkpoint's record
-names their attempt.
+names their attempt. A rank whose processes are all gone (killed, or its node lost) stops its
+heartbeat (`liveness`): rank 0 gives the attempt up once a rank it waits for is gone, and the
+others once rank 0 is, within the heartbeat timeout rather than the barrier timeout.
 Only rank 0 removes temporaries: a dead attempt's files once a later attempt is committed (every
 rank has finished with the earlier one by then), and everything left when a root is opened.
 """
@@ -40,6 +42,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import CommitError, CommitTimeoutError, ConfigError, from_os_error, os_error
+from . import liveness
 
 logger = logging.getLogger(__name__)
 
@@ -363,6 +366,12 @@ def clean_leftovers(root: Path) -> list[str]:
                 path.rename(root / name)
                 logger.warning("put back %s, left aside by a replacement that crashed", name)
                 continue
+        if entry.name.startswith(liveness.PREFIX):
+            if _untouched_for(path, _STALE_HEARTBEAT):  # a live one is rewritten every second
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                removed.append(entry.name)
+            continue
         if entry.name.startswith(
             (TMP_PREFIX, TRASH_PREFIX, FAILED_PREFIX, REPLACED_PREFIX, f".{LATEST}-")
         ):
@@ -378,6 +387,16 @@ def clean_leftovers(root: Path) -> list[str]:
     if removed:
         logger.info("removed leftovers of interrupted saves from %s: %s", root, removed)
     return removed
+
+
+_STALE_HEARTBEAT = 600.0
+
+
+def _untouched_for(path: Path, seconds: float) -> bool:
+    try:
+        return time.time() - path.stat().st_mtime > seconds
+    except OSError:
+        return False
 
 
 Fill = Callable[[Path], "Iterable[Path] | None"]
@@ -440,6 +459,18 @@ def _fill_and_sync(temp: Path, fill: Fill) -> None:
         fsync_path(file)
 
 
+def run_of(attempt: str) -> str:
+    """The run an attempt id (``<run>.<number>``) belongs to."""
+    return attempt.rpartition(".")[0] or attempt
+
+
+def abandon(root: Path, name: str, attempt: str, rank: int, world_size: int, reason: str) -> None:
+    """Give a multi-rank attempt up for every rank, from outside the writer (this rank's writer
+    died or was stopped with the attempt pending): the others stop at once with `reason`."""
+    with contextlib.suppress(OSError, CommitError, ConfigError):
+        _SharedCommit(root / name, rank, world_size, attempt, 0.0, False)._bury(reason)
+
+
 def _poll_delays() -> Iterable[float]:
     delay = 0.001
     while True:
@@ -462,8 +493,15 @@ class _SharedCommit:
         self.temp = self.root / f"{TMP_PREFIX}{final.name}-{attempt}"
         self.tomb = self.root / f"{FAILED_PREFIX}{final.name}-{attempt}"
         self.done = self.temp / f".rank{rank}.done"
+        self.run_id = run_of(attempt)
+        self.watch = liveness.Watch(self.root, self.run_id)
 
     def run(self, fill: Fill, keep_last: int | None, link_latest: bool = True) -> Path:
+        # Beating while this rank takes part: the others see it alive even once its trainer died.
+        with liveness.beating(liveness.beat_path(self.root, self.run_id, self.rank)):
+            return self._run(fill, keep_last, link_latest)
+
+    def _run(self, fill: Fill, keep_last: int | None, link_latest: bool) -> Path:
         if self.final.exists() or self.final.is_symlink():
             if not self.replace:
                 raise os_error(
@@ -561,8 +599,16 @@ class _SharedCommit:
             missing = expected - {p.name for p in self.temp.iterdir()}
             if not missing:
                 return
+            ranks = sorted(int(m[5:-5]) for m in missing)
+            gone = self.watch.gone(ranks)
+            if gone:
+                reason = "; ".join(self.watch.describe(r) for r in gone)
+                self._bury(f"{reason}: ranks {gone} are gone")
+                raise CommitError(
+                    f"checkpoint {self.name} was abandoned: ranks {gone} are gone before writing "
+                    f"their files ({reason} for {self.watch.timeout:g} s)"
+                )
             if time.monotonic() >= deadline:
-                ranks = sorted(int(m[5:-5]) for m in missing)
                 self._bury(
                     f"rank 0 waited {self.timeout:g} s for ranks {ranks} to write their files"
                 )
@@ -583,9 +629,11 @@ class _SharedCommit:
     def _wait_for_commit(self, deadline: float) -> None:
         claimed = False
         for delay in _poll_delays():
-            self._check_tomb()
             if self._committed():
                 return
+            self._check_tomb()
+            if self.watch.gone([0]):
+                self._give_up_on_rank0(claimed)
             if time.monotonic() >= deadline:
                 if claimed:
                     raise CommitTimeoutError(
@@ -602,6 +650,23 @@ class _SharedCommit:
                     f"checkpoint {self.name}: rank 0 did not commit it within {self.timeout:g} s"
                 )
             time.sleep(delay)
+
+    def _give_up_on_rank0(self, claimed: bool) -> None:
+        """Rank 0's processes are gone: withdraw this rank's files and raise (unless rank 0 claimed
+        them and then committed after all)."""
+        reason = self.watch.describe(0)
+        if not claimed:
+            try:
+                self.done.rename(self.temp / f".rank{self.rank}.withdrawn")
+            except FileNotFoundError:
+                claimed = True
+        if claimed and self._committed():
+            return
+        self._bury(f"{reason}: rank 0 is gone")
+        raise CommitError(
+            f"checkpoint {self.name} was abandoned: rank 0 is gone ({reason} for "
+            f"{self.watch.timeout:g} s)"
+        )
 
     def _committed(self) -> bool:
         """Rank 0 committed this attempt (not an earlier checkpoint of the same name)."""

@@ -28,7 +28,7 @@ from ..errors import NotSupportedError
 from ..shm import SlotMapping
 from ..staging import Manifest
 from ..staging import manifest as layout
-from . import commit, tree_codec
+from . import commit, file_output, progress, tree_codec
 from .safetensors_header import NAME_TO_CODE, HeaderEntry, build_header, code_itemsize
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,6 @@ logger = logging.getLogger(__name__)
 FORMAT = "pyshmckpt"
 FORMAT_VERSION = 1
 BLOCK_PREFIX = "__pyshmckpt_block_"
-IOV_MAX = 1024
 
 
 def file_names(rank: int) -> tuple[str, str]:
@@ -164,22 +163,6 @@ def plan_file(manifest: Manifest, *, mirror_slot: bool = False) -> FilePlan:
     return FilePlan(entries, sources, tensors)
 
 
-def _write_all(fd: int, buffers: list[memoryview]) -> None:
-    """writev every buffer completely (in batches of IOV_MAX, resuming partial writes)."""
-    pending = [b for b in buffers if len(b)]
-    while pending:
-        batch = pending[:IOV_MAX]
-        written = os.writev(fd, batch)
-        consumed = 0
-        while consumed < len(batch) and written >= len(batch[consumed]):
-            written -= len(batch[consumed])
-            consumed += 1
-        rest = pending[consumed:]
-        if written:
-            rest[0] = rest[0][written:]
-        pending = rest
-
-
 def _coalesce(view: memoryview, sources: list[tuple[int, int]]) -> list[memoryview]:
     """Slices of the slot for each source range, merging ranges that are adjacent in the slot."""
     merged: list[list[int]] = []
@@ -211,7 +194,11 @@ class SafetensorsWriter:
     writes; a later chunk whose O_DIRECT write is refused or short is completed with a buffered
     write, so the save still succeeds.
     ``last_direct_bytes`` tells how many bytes the last write sent with O_DIRECT.
+    Buffered writes go out in bounded pieces with write-behind (`file_output`); the writer
+    reports its progress, so a stalled write is told from a slow one.
     """
+
+    reports_progress = True
 
     def __init__(
         self,
@@ -293,7 +280,9 @@ class SafetensorsWriter:
                             st_path, fd, memoryview(header), data
                         )
                     else:
-                        _write_all(fd, [memoryview(header), *_coalesce(view, plan.sources)])
+                        file_output.write_all(
+                            fd, [memoryview(header), *_coalesce(view, plan.sources)]
+                        )
                     os.fsync(fd)
                 finally:
                     os.close(fd)
@@ -318,12 +307,6 @@ class SafetensorsWriter:
         return []  # both files are fsynced already
 
 
-def _pwrite_all(fd: int, data: memoryview, position: int) -> None:
-    while len(data):
-        written = os.pwrite(fd, data, position)
-        data, position = data[written:], position + written
-
-
 # errnos with which a filesystem refuses O_DIRECT (at open or at a write): tmpfs, some network and
 # FUSE filesystems. The writer then writes those bytes through the page cache instead.
 _DIRECT_REFUSED = frozenset({errno.EINVAL, errno.EOPNOTSUPP})
@@ -338,7 +321,7 @@ def _write_direct(path: Path, fd: int, header: memoryview, data: memoryview) -> 
     were written partly or wholly through `fd` (see `_pwrite_chunks`).
     """
     start = len(header)  # a multiple of DIRECT_IO_BLOCK
-    _pwrite_all(fd, header, 0)
+    file_output.pwrite_all(fd, header, 0)
     bulk = len(data) - len(data) % DIRECT_IO_BLOCK
     covered = direct = 0  # bytes of data written by _pwrite_chunks; of those, with O_DIRECT
     if bulk:
@@ -356,7 +339,7 @@ def _write_direct(path: Path, fd: int, header: memoryview, data: memoryview) -> 
                 os.close(dfd)
             if written is not None:
                 covered, direct = bulk, written
-    _pwrite_all(fd, data[covered:], start + covered)
+    file_output.pwrite_all(fd, data[covered:], start + covered)
     return direct
 
 
@@ -379,7 +362,8 @@ def _pwrite_chunks(dfd: int, fd: int, data: memoryview, start: int) -> int | Non
             raise
         _refused(exc, "at the first write")
         return None
-    _pwrite_all(fd, first[direct:], start + first_pos + direct)
+    progress.advance(direct)
+    file_output.pwrite_all(fd, first[direct:], start + first_pos + direct)
     with ThreadPoolExecutor(
         max_workers=DIRECT_IO_THREADS, thread_name_prefix="pyshmckpt-dio"
     ) as pool:
@@ -401,7 +385,8 @@ def _pwrite_chunk(dfd: int, fd: int, chunk: memoryview, position: int) -> int:
             raise
         _refused(exc, "for a later chunk")
         direct = 0
-    _pwrite_all(fd, chunk[direct:], position + direct)
+    progress.advance(direct)
+    file_output.pwrite_all(fd, chunk[direct:], position + direct)
     return direct
 
 

@@ -12,14 +12,16 @@ from typing import Any, BinaryIO
 import torch
 
 from ..errors import NotSupportedError
-from . import commit
+from . import commit, file_output
 
 logger = logging.getLogger(__name__)
 
 
 class TorchSaveWriter:
     """torch.save with torch's layout (``checkpoint_{rank}.pt``, what torch's CheckpointReader
-    reads), committed atomically."""
+    reads), committed atomically. Reports its progress (see `file_output`)."""
+
+    reports_progress = True
 
     def __init__(
         self, rank_info: Any = None, *, keep_last: int | None = None, barrier_timeout: float = 600.0
@@ -32,7 +34,8 @@ class TorchSaveWriter:
         def fill(temp: Path) -> list[Path]:
             file = temp / f"checkpoint_{self.rank}.pt"
             try:
-                torch.save(state_dict, file)
+                with file.open("xb") as out:
+                    torch.save(state_dict, file_output.progress_file(out))
             except BaseException:
                 file.unlink(missing_ok=True)  # free the space before other ranks are told
                 raise
@@ -83,7 +86,10 @@ class TorchFileWriter:
     fsynced, renamed over `path`, then the directory and its parent fsynced (so that a directory
     made just before, such as a DeepSpeed tag directory, is durable too). For frameworks that
     name their own files; the directory must exist. A reader sees the old file or the whole new
-    one, never part of one; a write cut short leaves only a temporary (`temporaries`)."""
+    one, never part of one; a write cut short leaves only a temporary (`temporaries`). Reports
+    its progress (see `file_output`), unless a subclass's `serialize` writes otherwise."""
+
+    reports_progress = True
 
     def __init__(self, rank_info: Any = None) -> None:
         pass  # every rank writes the files it is given: nothing depends on the rank
@@ -98,7 +104,7 @@ class TorchFileWriter:
     def serialize(self, state_dict: Any, file: BinaryIO) -> None:
         """Write `state_dict` into the open temporary `file`: torch.save (override for another
         format)."""
-        torch.save(state_dict, file)
+        torch.save(state_dict, file_output.progress_file(file))
 
     @staticmethod
     def temporaries(path: str | os.PathLike[str]) -> list[Path]:

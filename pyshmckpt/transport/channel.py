@@ -27,6 +27,7 @@ class Kind(enum.Enum):
     ADOPT = "adopt"  # parent -> child once it is ready: serve the spool's first `count` records
     LOG = "log"  # child -> parent, unasked: one log record of the writer process
     CALL = "call"  # run one method of the writer, in order with the writes
+    PROGRESS = "progress"  # child -> parent, unasked: the write in hand moved on
 
 
 @dataclasses.dataclass

@@ -45,6 +45,14 @@ class CheckpointProcessConfig:
             SIGTERM, before escalating.
         write_timeout_secs: seconds one write may take before the writer is killed and the write
             fails with TimeoutError (None: no limit).
+        write_stall_timeout_secs: seconds a write of a writer that reports its progress
+            (pyshmckpt's own) may go without any before it counts as hung: the writer is killed
+            and the write fails with `WriteStalledError` (None: only the write timeout). A slow
+            write that keeps moving is never cut short by it. Default 120: pyshmckpt's writers
+            report every 64 MiB that reaches the disk (and each poll while they wait for other
+            ranks that are alive), so two minutes without one is a filesystem that hangs or a
+            stopped process, not a slow disk; a user's writer without progress reports keeps
+            the write timeout alone.
         slots: slots of the internal arena that stages plain state dicts.
         capacity_bytes: bytes per internal slot, allocated up front (None: sized on first use).
         slot_timeout_secs: seconds write() waits for a slot while all are being written.
@@ -62,6 +70,7 @@ class CheckpointProcessConfig:
     subprocess_init_timeout_secs: float = 30
     subprocess_shutdown_timeout_secs: float = 60
     write_timeout_secs: float | None = 1800.0
+    write_stall_timeout_secs: float | None = 120.0
     slots: int = 2
     capacity_bytes: int | None = None
     slot_timeout_secs: float = 60.0
@@ -114,13 +123,12 @@ class CheckpointProcessConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative number, not {value!r}")
-        timeout = self.write_timeout_secs
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
-        ):
-            raise ConfigError(
-                f"write_timeout_secs must be a positive number or None, not {timeout!r}"
-            )
+        for name in ("write_timeout_secs", "write_stall_timeout_secs"):
+            timeout = getattr(self, name)
+            if timeout is not None and (
+                isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+            ):
+                raise ConfigError(f"{name} must be a positive number or None, not {timeout!r}")
         for name in ("slots", "max_restarts"):
             value = getattr(self, name)
             if (
@@ -145,7 +153,9 @@ class CheckpointProcess:
     Failures: a writer that raises fails that write (``WriterError``, with its traceback); a
     writer that dies fails its writes at once with ``WriterDiedError`` naming the exit code or
     signal, and the next write() restarts it (up to ``max_restarts`` times); a write that overruns
-    ``write_timeout_secs`` fails with TimeoutError after the writer was killed. A failed write
+    ``write_timeout_secs`` fails with TimeoutError after the writer was killed, and so does one
+    that makes no progress for ``write_stall_timeout_secs`` (``WriteStalledError``, for writers
+    that report progress: pyshmckpt's own). A failed write
     frees its slot. ``close()`` is bounded and idempotent; ``close(abort=True)`` kills the writer
     at once and abandons pending writes.
 
@@ -345,6 +355,7 @@ class CheckpointProcess:
         return WriterProcess(
             *self._writer_spec,
             init_timeout=self._config.subprocess_init_timeout_secs,
+            stall_timeout=self._config.write_stall_timeout_secs,
             shutdown_timeout=self._config.subprocess_shutdown_timeout_secs,
             orphans=OrphanPolicy(
                 finish=self._config.on_trainer_death == "finish",

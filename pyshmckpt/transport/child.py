@@ -23,6 +23,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import pickle
 import select
 import signal
 import sys
@@ -33,10 +34,10 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from ..errors import ProtocolError
+from ..errors import ProtocolError, PyshmckptError
 from ..shm import AttachedSegments
 from ..staging import SlotViews
-from ..storage import SlotWriter, writer_kind
+from ..storage import SlotWriter, progress, writer_kind
 from . import logs
 from .channel import Kind, ManifestRef, Request, Response, send
 from .spool import SpoolReader
@@ -141,6 +142,9 @@ class _TrainerWatch:
             "the trainer (pid %d) is gone: finishing the writes it handed over, then exiting",
             self.parent_pid,
         )
+
+    def serving(self) -> bool:
+        return self._busy_since is not None
 
     def busy(self, writing: bool) -> None:
         self._busy_since = time.monotonic() if writing else None
@@ -258,7 +262,17 @@ def writer_main(
             watch.exit(1)
         return
     watch.busy(False)
-    outbox.send(Response(Kind.INIT, 0, ok=True, payload={"pid": os.getpid()}))
+    reports_progress = bool(getattr(writer, "reports_progress", False))
+    outbox.send(
+        Response(
+            Kind.INIT, 0, ok=True,
+            payload={"pid": os.getpid(), "reports_progress": reports_progress},
+        )
+    )  # fmt: skip
+    if reports_progress:
+        threading.Thread(
+            target=_report_progress, args=(watch, outbox), name="pyshmckpt-progress", daemon=True
+        ).start()
     logger.debug("writer process %d serves %s", os.getpid(), type(writer).__qualname__)
     views = SlotViews()
     while True:
@@ -311,6 +325,20 @@ def writer_main(
             )
 
     _finish_orphaned(conn, spool, writer, attached, views, watch)
+
+
+_PROGRESS_INTERVAL = 1.0
+
+
+def _report_progress(watch: _TrainerWatch, outbox: _Outbox) -> None:
+    """While a request is served, tell the trainer each time the writer's progress moved on
+    (at most once per interval): what it judges a stalled write by."""
+    last = progress.current()
+    while not watch.dead.wait(_PROGRESS_INTERVAL):
+        now = progress.current()
+        if now != last and watch.serving():
+            outbox.send(Response(Kind.PROGRESS, 0, ok=True, payload={"bytes": now[0]}))
+        last = now
 
 
 def _finish_orphaned(
@@ -436,9 +464,18 @@ def _serve_write(
 
 
 def _describe(exc: BaseException) -> dict[str, Any]:
-    """What the trainer needs to raise a matching WriterError: the type and, for OSError, errno."""
+    """What the trainer needs to raise the matching error: the type and, for OSError, errno; a
+    pyshmckpt error of ours (CommitError, CheckpointCorruptError, ...) itself, so that the caller
+    receives the type the documentation names, whichever process found it."""
     described: dict[str, Any] = {"exc_type": f"{type(exc).__module__}.{type(exc).__qualname__}"}
     if isinstance(exc, OSError):
         described["errno"] = exc.errno
         described["strerror"] = exc.strerror
+    elif isinstance(exc, PyshmckptError):
+        try:
+            pickle.loads(pickle.dumps(exc))
+        except Exception:  # noqa: BLE001 - described by its type and traceback instead
+            logger.debug("%r does not pickle; sent as a WriterError", exc)
+        else:
+            described["error"] = exc
     return described

@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 from ..errors import (
     CheckpointAbortedError,
     ProtocolError,
+    PyshmckptError,
     WriterConnectionError,
     WriterDiedError,
     WriterError,
@@ -36,6 +37,7 @@ from ..errors import (
     WriterShutdownTimeoutError,
     WriterStartError,
     WriterStartTimeoutError,
+    WriteStalledError,
     WriteTimeoutError,
 )
 from . import launcher, logs
@@ -64,6 +66,7 @@ class _Pending:
     deadline: float | None  # time.monotonic() deadline, None for no limit
     slot: str | None = None
     timeout: float | None = None  # a spooled write's limit, counted from its hand-over
+    sent: float | None = None  # when the writer got it (None while spooled)
 
 
 _QUEUED = (Kind.WRITE, Kind.CALL)  # requests close() lets the writer finish
@@ -97,8 +100,12 @@ class WriterProcess:
         shutdown_timeout: float,
         orphans: OrphanPolicy,
         lean: bool = False,
+        stall_timeout: float | None = None,
     ) -> None:
         self._lean = lean
+        self._stall_timeout = stall_timeout
+        self._reports_progress = False  # what the writer said when it was ready
+        self._activity = 0.0  # when the writer last said the work in hand moved on
         self._target_args = (
             rank_info, subprocess_init_fn, tuple(subprocess_init_args),
             checkpoint_writer_init_fn, dict(checkpoint_writer_init_args),
@@ -262,6 +269,7 @@ class WriterProcess:
                 )
             )
         logger.info("writer process %d ready after %.2f s", process.pid, time.monotonic() - started)
+        self._reports_progress = bool(message.payload.get("reports_progress"))
         self._adopt_spool(parent_conn)
         self._dispatcher = threading.Thread(
             target=self._dispatch, name="pyshmckpt-writer-dispatch", daemon=True
@@ -276,6 +284,7 @@ class WriterProcess:
             count = 0 if spool is None else spool.count
             now = time.monotonic()
             for item in self._pending.values():  # a spooled write's time starts now
+                item.sent = now
                 if item.timeout is not None:
                     item.deadline = now + item.timeout
             # A failed send means the child died: the dispatcher, started next, reports that.
@@ -397,8 +406,11 @@ class WriterProcess:
                     future, kind, generation, None, slot_name, timeout
                 )
                 return future
-            deadline = None if timeout is None else time.monotonic() + timeout
-            self._pending[request_id] = _Pending(future, kind, generation, deadline, slot_name)
+            now = time.monotonic()
+            deadline = None if timeout is None else now + timeout
+            self._pending[request_id] = _Pending(
+                future, kind, generation, deadline, slot_name, sent=now
+            )
             try:
                 sent = send(self._conn, request)  # type: ignore[arg-type]
             except BaseException:  # unpicklable kwargs and the like: nothing was queued
@@ -562,6 +574,9 @@ class WriterProcess:
         while True:
             with self._lock:
                 deadlines = [p.deadline for p in self._pending.values() if p.deadline is not None]
+                stall = self._stall_deadline()
+            if stall is not None:
+                deadlines.append(stall)
             timeout = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
             try:
                 ready = wait([conn, process.sentinel, self._wake_r], timeout)
@@ -581,6 +596,9 @@ class WriterProcess:
                     break
                 if response.kind is Kind.LOG:
                     logs.emit_forwarded(response.payload)
+                    continue
+                self._activity = time.monotonic()
+                if response.kind is Kind.PROGRESS:
                     continue
                 if not self._resolve(response):
                     return
@@ -660,20 +678,44 @@ class WriterProcess:
             item.future.set_exception(_writer_error(response))
         return True
 
+    def _stall_deadline(self) -> float | None:
+        """When the write in hand counts as hung unless the writer reports progress first (None:
+        no write in hand, or a writer that does not report progress). Call with the lock held."""
+        if self._stall_timeout is None or not self._reports_progress or not self._pending:
+            return None
+        in_hand = self._pending[min(self._pending)]  # the writer serves requests in order
+        if in_hand.kind is not Kind.WRITE or in_hand.sent is None:
+            return None
+        return max(self._activity, in_hand.sent) + self._stall_timeout
+
     def _expire(self) -> bool:
-        """Kill the writer if a write overran its deadline; True when that happened."""
+        """Kill the writer if a write overran its deadline, or made no progress for the stall
+        timeout; True when that happened."""
         now = time.monotonic()
         with self._lock:
             expired = [
                 p for p in self._pending.values() if p.deadline is not None and p.deadline <= now
             ]
+            stall = self._stall_deadline()
+            stalled = stall is not None and stall <= now
+            if stalled and not expired:
+                expired = [self._pending[min(self._pending)]]
         if not expired:
             return False
         # Reaped before anything fails: its slots are not read any more.
-        self.kill(f"a write ran past its deadline ({len(expired)} expired)")
-        timeout = WriteTimeoutError(
-            self._exit_text("checkpoint write timed out; the writer process was killed")
-        )
+        if stalled:
+            self.kill(f"a write made no progress for {self._stall_timeout:g} s")
+            timeout: WriteTimeoutError = WriteStalledError(
+                self._exit_text(
+                    f"checkpoint write made no progress for {self._stall_timeout:g} s (a hung "
+                    "filesystem or a stopped writer); the writer process was killed"
+                )
+            )
+        else:
+            self.kill(f"a write ran past its deadline ({len(expired)} expired)")
+            timeout = WriteTimeoutError(
+                self._exit_text("checkpoint write timed out; the writer process was killed")
+            )
         self._failure = timeout
         with self._lock:
             pending, self._pending = self._pending, {}
@@ -689,10 +731,20 @@ class WriterProcess:
         return True
 
 
-def _writer_error(response: Response) -> WriterError:
-    """The error a failed write raises in the trainer: a WriterOSError (an OSError too, with the
-    writer's errno) when the writer failed with an OSError, else a WriterError."""
+class _WriterTraceback(Exception):
+    """The writer's traceback, as the cause of the error it raised (its text is the traceback)."""
+
+
+def _writer_error(response: Response) -> PyshmckptError:
+    """The error a failed write raises in the trainer: the writer's own pyshmckpt error when it
+    raised one (a CommitError stays a CommitError), caused by the writer's traceback; a
+    WriterOSError (an OSError too, with the writer's errno) when the writer failed with an
+    OSError; else a WriterError."""
     message = f"checkpoint writer raised:\n{response.error}"
+    own = response.payload.get("error")
+    if isinstance(own, PyshmckptError):
+        own.__cause__ = _WriterTraceback(message)
+        return own
     exc_type = response.payload.get("exc_type")
     if "errno" in response.payload:
         return WriterOSError(
