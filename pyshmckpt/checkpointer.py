@@ -8,6 +8,7 @@ checkpoint directory (across ranks too).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import errno
 import itertools
 import logging
@@ -120,7 +121,10 @@ class Checkpointer:
             under the same name (pass ``name``, or save equally often so the automatic names
             agree) into a root on a filesystem they share; a save completes on each rank once the
             whole checkpoint is committed, and fails on every rank if any rank fails.
-        barrier_timeout: seconds rank 0 waits for the other ranks' files (and they for its commit).
+        barrier_timeout: seconds rank 0 waits for the other ranks' files (and they for its commit)
+            while those ranks live. A rank whose processes are all gone (killed, its node lost)
+            stops its heartbeat on the root, and the save then fails on every rank with
+            `CommitError` within ``PYSHMCKPT_HEARTBEAT_TIMEOUT`` (10 s), not the barrier timeout.
         run_id: with several ranks and torch.distributed not initialized, a name of this run
             that every rank passes alike (letters, digits, '_'); with torch.distributed, rank 0
             draws one and broadcasts it (so every rank must construct its Checkpointer, as a
@@ -131,6 +135,10 @@ class Checkpointer:
         link_latest: keep the ``root/latest`` link (False: the root holds the checkpoints alone,
             as frameworks that name their own files expect; `latest()`, ``pyshmckpt.load(root)``
             and ``pyshmckpt inspect`` then take the newest by commit sequence).
+        stall_timeout: seconds a save may go without the writer reporting progress before it
+            counts as hung (the writer is killed, the save fails with `WriteStalledError`); a slow
+            save that keeps moving is never cut short (None: the config's
+            ``write_stall_timeout_secs``, 120 s by default).
 
     DTensors (FSDP2, tensor parallelism) are saved as each rank's local shard plus its placement
     (mesh shape, placements, global shape, the shard's global offsets) in the rank's manifest;
@@ -154,6 +162,7 @@ class Checkpointer:
         run_id: str | None = None,
         process_group: Any = None,
         link_latest: bool = True,
+        stall_timeout: float | None = None,
     ) -> None:
         self._closed = True
         self._link_latest = bool(link_latest)
@@ -194,6 +203,8 @@ class Checkpointer:
         plain_only = spec.needs_plain_leaves and not self._allow_pickle
         # The first save never waits for the writer to start.
         base = CheckpointProcessConfig.starting_in_background(config)
+        if stall_timeout is not None:
+            base = dataclasses.replace(base, write_stall_timeout_secs=stall_timeout)
         # The writer process starts first: it initializes while the arena is being created.
         # A writer importable by module name starts in a fresh interpreter, without the
         # trainer's __main__: the default one then never loads torch (small, quick to start).

@@ -25,7 +25,7 @@ import torch
 
 import pyshmckpt
 from pyshmckpt import Checkpointer, CheckpointProcessConfig
-from pyshmckpt.storage import WriterSpec, commit, register_writer, writer_spec
+from pyshmckpt.storage import WriterSpec, commit, liveness, register_writer, writer_spec
 from pyshmckpt.storage.safetensors_writer import SafetensorsWriter
 
 HERE = Path(__file__).resolve().parent
@@ -158,7 +158,15 @@ def visible(root: Path) -> list[str]:
 
 
 def hidden(root: Path) -> list[str]:
-    return sorted(n for n in names_in(root) if n.startswith("."))
+    """Hidden entries of a root but the heartbeats of ranks that are open (see `heartbeats`)."""
+    return sorted(
+        n for n in names_in(root) if n.startswith(".") and not n.startswith(liveness.PREFIX)
+    )
+
+
+def heartbeats(root: Path) -> list[str]:
+    """The heartbeat files of multi-rank Checkpointers open on a root."""
+    return sorted(n for n in names_in(root) if n.startswith(liveness.PREFIX))
 
 
 def bounded_config(**overrides: Any) -> CheckpointProcessConfig:

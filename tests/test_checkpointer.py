@@ -652,3 +652,19 @@ def test_remove_runs_in_the_writer_after_the_saves_handed_over_before_it(tmp_pat
         with pytest.raises(pyshmckpt.ConfigError):
             ckpt.remove("../elsewhere")
     assert sorted(p.name for p in tmp_path.iterdir() if p.name[0] != ".") == ["kept", "latest"]
+
+
+@pytest.mark.timeout(120)
+def test_a_save_whose_writer_is_stopped_fails_at_the_stall_timeout_and_the_next_lands(tmp_path):
+    with opened(tmp_path, stall_timeout=2.0) as ck:
+        ck.wait_for_writer(SAVE_TIMEOUT)
+        stopped = ck.writer_pid
+        assert stopped is not None
+        os.kill(stopped, signal.SIGSTOP)  # what a write stuck on a hung filesystem looks like
+        exc = failure_of(ck.save({"w": torch.ones(1000)}, name="stuck"))
+        assert isinstance(exc, pyshmckpt.WriteStalledError), repr(exc)
+        assert not pid_running(stopped)
+        assert visible(tmp_path) == []
+        landed = ck.save({"w": torch.ones(1000)}, name="next").result(timeout=SAVE_TIMEOUT)
+        assert landed == tmp_path / "next"
+        assert ck.writer_pid != stopped

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from ..errors import ProtocolError, PyshmckptError
+from ..errors import ProtocolError, PyshmckptError, PyshmckptOSError
 from ..shm import AttachedSegments
 from ..staging import SlotViews
 from ..storage import SlotWriter, progress, writer_kind
@@ -468,7 +468,9 @@ def _describe(exc: BaseException) -> dict[str, Any]:
     pyshmckpt error of ours (CommitError, CheckpointCorruptError, ...) itself, so that the caller
     receives the type the documentation names, whichever process found it."""
     described: dict[str, Any] = {"exc_type": f"{type(exc).__module__}.{type(exc).__qualname__}"}
-    if isinstance(exc, OSError):
+    if isinstance(exc, OSError) and not (  # TimeoutError is an OSError too
+        isinstance(exc, PyshmckptError) and not isinstance(exc, PyshmckptOSError)
+    ):
         described["errno"] = exc.errno
         described["strerror"] = exc.strerror
     elif isinstance(exc, PyshmckptError):

@@ -42,9 +42,11 @@ from pyshmckpt import (
     WriterError,
     WriterStartError,
     WriterStartTimeoutError,
+    WriteStalledError,
     WriteTimeoutError,
 )
 from pyshmckpt.shm import stale
+from pyshmckpt.storage import progress
 from pyshmckpt.transport import parent as writer_process
 from pyshmckpt.transport.channel import Kind, Request
 
@@ -178,6 +180,25 @@ class RecordingWriter:
             raise RuntimeError(self.close_error)
 
 
+class ProgressingWriter(RecordingWriter):
+    """A RecordingWriter that reports progress as pyshmckpt's own writers do. Mode "crawl": the
+    write takes `delay` s, moving on every 0.2 s (a slow disk that keeps going), then saves."""
+
+    reports_progress = True
+
+    def write(self, path: str, state_dict: Any, **kwargs: Any) -> None:
+        mode = kwargs.pop("mode", self.mode)
+        delay = kwargs.pop("delay", self.delay)
+        if mode == "crawl":
+            _atomic_write(Path(f"{path}.started"), str(os.getpid()))
+            until = time.monotonic() + delay
+            while time.monotonic() < until:
+                progress.advance(4096)
+                time.sleep(0.2)
+            mode, delay = "ok", 0.0
+        super().write(path, state_dict, mode=mode, delay=delay, **kwargs)
+
+
 def init_ok(*args: Any) -> None:
     pass
 
@@ -271,6 +292,7 @@ def make_cp(tmp_path: Path) -> Iterator[Callable[..., CheckpointProcess]]:
         init_args: tuple[Any, ...] = (),
         close_error: str | None = None,
         close_mode: str = "ok",
+        writer: type[RecordingWriter] = RecordingWriter,
         **overrides: Any,
     ) -> CheckpointProcess:
         settings: dict[str, Any] = {
@@ -285,7 +307,7 @@ def make_cp(tmp_path: Path) -> Iterator[Callable[..., CheckpointProcess]]:
             CheckpointProcessConfig(**settings),
             init_fn,
             init_args,
-            RecordingWriter,
+            writer,
             {
                 "out_dir": str(tmp_path),
                 "mode": mode,
@@ -1147,3 +1169,52 @@ def test_stale_segments_of_dead_owners_are_collected_and_live_ones_kept(tmp_path
             live.close()
         for name in created:
             (SHM / name).unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------------------------
+# stalls: a write judged by its progress
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_write_that_keeps_progressing_outlasts_the_stall_timeout(make_cp, tmp_path):
+    cp = make_cp(writer=ProgressingWriter, mode="crawl", delay=5.0, write_stall_timeout_secs=1.5)
+    pid = started(cp)
+    record = write_ok(cp, tmp_path / "slow", 0)
+    assert record["pid"] == pid, "the slow write was cut short and retried by a new writer"
+
+
+@pytest.mark.timeout(120)
+def test_a_writer_without_progress_reports_keeps_the_write_timeout(make_cp, tmp_path):
+    cp = make_cp(mode="ok", delay=4.0, write_stall_timeout_secs=1.0)  # reports nothing
+    pid = started(cp)
+    assert write_ok(cp, tmp_path / "quiet", 0)["pid"] == pid
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_write_fails_at_the_stall_timeout_and_close_returns(make_cp, tmp_path):
+    stall = 3.0
+    cp = make_cp(
+        writer=ProgressingWriter, mode="crawl", delay=600.0, write_timeout_secs=600,
+        write_stall_timeout_secs=stall,
+    )  # fmt: skip
+    pid = started(cp)
+    target = tmp_path / "stopped"
+    future = cp.write(make_state(0), str(target))
+    assert wait_started(target) == pid
+    time.sleep(1.0)  # it is progressing now
+    os.kill(pid, signal.SIGSTOP)  # a hung filesystem looks the same from the trainer
+    stopped = time.monotonic()
+    cp.close()
+    closed = time.monotonic() - stopped
+    exc = failure_of(future, 1)
+    assert isinstance(exc, WriteStalledError), repr(exc)
+    assert isinstance(exc, WriteTimeoutError)
+    assert isinstance(exc, TimeoutError)
+    assert "made no progress for 3 s" in str(exc), exc
+    assert "signal SIGKILL" in str(exc), exc
+    assert not pid_running(pid)
+    # The stall timeout (counted from the last report, at most a second before the stop) plus a
+    # kill and reap: nowhere near the 600 s write timeout.
+    assert stall - 1.5 <= closed < stall + 30, f"close() returned after {closed:.1f} s"
+    assert not target.exists()
