@@ -11,7 +11,8 @@ meets one fault:
 - writer: the writer is SIGKILLed mid-run (the saves it held fail and say so; later ones land);
 - both: writer and trainer are SIGKILLed (a node crash: what they held is gone, nothing torn);
 - disk-full: a save does not fit the disk (it fails with ENOSPC; earlier ones stay intact);
-- hung: the writer is stopped (SIGSTOP) mid-write (the write timeout kills it; later saves land).
+- hung: the writer is stopped (SIGSTOP) mid-write (the stall timeout kills it and fails that save;
+  the saves made after that land through a restarted writer).
 
 After each round it counts: torn visible checkpoints (a visible checkpoint that fails
 `pyshmckpt.verify` or holds other values than were saved), leaked shared-memory segments, hangs
@@ -67,7 +68,8 @@ TRAINER = textwrap.dedent(
             journal.flush()
 
         config = pyshmckpt.CheckpointProcessConfig(
-            write_timeout_secs=5, subprocess_shutdown_timeout_secs=2, max_restarts=10
+            write_timeout_secs=30, write_stall_timeout_secs=3, subprocess_shutdown_timeout_secs=2,
+            max_restarts=10,
         )
         checkpointer = pyshmckpt.Checkpointer(root, config=config, capacity_bytes=2 << 20)
         note(event="writer", pid=checkpointer._process.pid)
@@ -103,6 +105,7 @@ TRAINER = textwrap.dedent(
             if fault == "hung" and i == 0:
                 time.sleep(0.02)
                 os.kill(writer, signal.SIGSTOP)
+                future.exception(timeout=60)  # the next saves go to a restarted writer
         for future in futures:
             with __import__("contextlib").suppress(Exception):
                 future.result(timeout=60)

@@ -668,3 +668,19 @@ def test_a_save_whose_writer_is_stopped_fails_at_the_stall_timeout_and_the_next_
         landed = ck.save({"w": torch.ones(1000)}, name="next").result(timeout=SAVE_TIMEOUT)
         assert landed == tmp_path / "next"
         assert ck.writer_pid != stopped
+
+
+@pytest.mark.timeout(120)
+def test_a_writer_stopped_while_starting_is_restarted_and_the_next_save_lands(tmp_path):
+    with opened(tmp_path, config=bounded_config(subprocess_init_timeout_secs=3)) as ck:
+        stopped = ck.writer_pid
+        assert stopped is not None
+        os.kill(stopped, signal.SIGSTOP)  # starved or stopped before it answered
+        if ck._process.process_creation_future.done():
+            pytest.skip("the writer was ready before it could be stopped")
+        exc = failure_of(ck.save({"w": torch.ones(10)}, name="first"))
+        assert isinstance(exc, pyshmckpt.WriterStartTimeoutError), repr(exc)
+        assert not pid_running(stopped)
+        landed = ck.save({"w": torch.ones(10)}, name="second").result(timeout=SAVE_TIMEOUT)
+        assert landed == tmp_path / "second"
+        assert visible(tmp_path) == ["second"]

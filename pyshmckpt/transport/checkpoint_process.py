@@ -24,6 +24,7 @@ from ..errors import (
     ConfigTypeError,
     WriterConnectionError,
     WriterDiedError,
+    WriterStartTimeoutError,
     WriteTimeoutError,
 )
 from ..shm import collect_stale_segments
@@ -348,8 +349,18 @@ class CheckpointProcess:
         future = self.process_creation_future
         if self._wait_for_start or future.done():
             error = future.exception()
-            if error is not None and not isinstance(error, WriterDiedError):
+            if error is not None and not self._restartable(error):
                 raise error
+
+    def _restartable(self, start_error: BaseException) -> bool:
+        """Whether a failed start is a death the next write restarts: the writer was killed while
+        starting; or, when writes are spooled during the start (``wait_for_start=False``), it
+        never answered in time (stopped, or starved on a busy machine: it was killed, and a new
+        one may well start). torch's behaviour, with ``wait_for_start=True``, keeps a start
+        timeout for good."""
+        if isinstance(start_error, WriterDiedError):
+            return True
+        return isinstance(start_error, WriterStartTimeoutError) and not self._wait_for_start
 
     def _new_writer(self) -> WriterProcess:
         return WriterProcess(
@@ -400,7 +411,7 @@ class CheckpointProcess:
             # The first writer exited while starting: wait for its start to fail (the writes
             # spooled for it fail with it). Its error is this write's too, unless it was killed.
             error = self.process_creation_future.exception()
-            if error is not None and not isinstance(error, WriterDiedError):
+            if error is not None and not self._restartable(error):
                 raise error
         with self._lock:
             writer = self._writer
