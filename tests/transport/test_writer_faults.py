@@ -822,7 +822,8 @@ TRAINER = textwrap.dedent(
                 subprocess_init_timeout_secs=60, subprocess_shutdown_timeout_secs=2,
                 write_timeout_secs=3,
             ),
-            init_ok, (), RecordingWriter, {"out_dir": out_dir},
+            init_ok, (), RecordingWriter,
+            {"out_dir": out_dir, "close_error": "close refused" if phase == "close-error" else None},
         )
         state = {"w": torch.arange(4096, dtype=torch.float32), "step": 1}
         cp.write(state, os.path.join(out_dir, "first"), mode="ok").result(timeout=60)
@@ -847,11 +848,11 @@ TRAINER = textwrap.dedent(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("phase", ["idle", "mid-write"])
+@pytest.mark.parametrize("phase", ["idle", "mid-write", "close-error"])
 def test_sigkill_of_the_trainer_stops_the_writer_and_removes_the_segments(tmp_path, phase):
     """Idle, the orphaned writer exits at once; mid-write (a write that hangs), it tries to
     finish that write for the write timeout (3 s here), then gives up; either way it removes the
-    trainer's segments."""
+    trainer's segments. A writer whose close() raises then says so in its log (close-error)."""
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     out = tmp_path / "out"
@@ -892,9 +893,13 @@ def test_sigkill_of_the_trainer_stops_the_writer_and_removes_the_segments(tmp_pa
                     not pid_running(writer_pid)
                     and not any((SHM / name).exists() for name in segments)
                 ),
-                10 if phase == "idle" else 15,
+                15 if phase == "mid-write" else 10,
                 "the orphaned writer to exit and unlink the trainer's segments",
             )
+            if phase == "close-error":
+                log = (tmp_path / "trainer.err").read_text()
+                assert "closing the writer after the trainer's death failed" in log, log
+                assert "RuntimeError: close refused" in log, log
         except AssertionError as exc:
             left = [name for name in segments if (SHM / name).exists()]
             raise AssertionError(
