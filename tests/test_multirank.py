@@ -306,7 +306,8 @@ def test_a_rank_that_is_gone_fails_the_save_on_every_rank_with_commit_error(
 
 
 def test_a_slow_rank_that_is_alive_is_waited_for(tmp_path, quick_heartbeat):
-    with ranks(tmp_path, 2, barrier_timeout=600.0) as cks:
+    # Neither the heartbeat timeout nor the stall timeout cuts rank 0's wait for a live rank.
+    with ranks(tmp_path, 2, barrier_timeout=600.0, stall_timeout=quick_heartbeat) as cks:
         zero = cks[0].save(rank_state(0, 1), name="c")
         time.sleep(3 * quick_heartbeat)  # rank 1 computes on: its trainer beats meanwhile
         assert not zero.done(), zero

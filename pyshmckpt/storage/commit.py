@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import CommitError, CommitTimeoutError, ConfigError, from_os_error, os_error
-from . import liveness
+from . import liveness, progress
 
 logger = logging.getLogger(__name__)
 
@@ -608,6 +608,7 @@ class _SharedCommit:
                     f"checkpoint {self.name} was abandoned: ranks {gone} are gone before writing "
                     f"their files ({reason} for {self.watch.timeout:g} s)"
                 )
+            progress.advance()  # waiting for ranks that live is no stall
             if time.monotonic() >= deadline:
                 self._bury(
                     f"rank 0 waited {self.timeout:g} s for ranks {ranks} to write their files"
@@ -634,6 +635,7 @@ class _SharedCommit:
             self._check_tomb()
             if self.watch.gone([0]):
                 self._give_up_on_rank0(claimed)
+            progress.advance()  # waiting for a rank 0 that lives is no stall
             if time.monotonic() >= deadline:
                 if claimed:
                     raise CommitTimeoutError(
