@@ -81,7 +81,7 @@ from ..errors import (
     NotSupportedError,
     from_os_error,
 )
-from ..storage import TorchFileWriter
+from ..storage import TorchFileWriter, liveness
 from ..transport import CheckpointProcess, CheckpointProcessConfig, RankInfo, no_init
 from .deepspeed_latest import LATEST, TagWriter, marker, write_marker
 
@@ -182,6 +182,9 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         self._failed: list[_Tag] = []  # settled as failed (on some rank), not yet reported
         self._seals: list[Future[Any]] = []  # seal requests not answered yet (and the last)
         self._writes: dict[str, Future[None]] = {}  # the last write of each path
+        # This rank's heartbeat in each save directory: rank 0's writer waits for no rank whose
+        # trainer and writer are gone (see deepspeed_latest).
+        self._heartbeats: dict[Path, liveness.Heartbeat] = {}
         self._closed = False
 
     # -- DeepSpeed's CheckpointEngine ---------------------------------------------------------
@@ -191,6 +194,7 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         file). Raises `CommitError` (on every rank) for an earlier tag whose write failed, and
         `NotSupportedError` for a tag that ``latest`` names or that is still being written."""
         self._check_open()
+        self._beat_in(info.save_dir)
         self.seal()  # an earlier save's, when save_checkpoint was not wrapped (use_pyshmckpt)
         if self._failed:
             failed, self._failed = self._failed, []
@@ -308,6 +312,7 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
             if not tag.info.save_latest:
                 continue
             paths = [path for path, _ in tag.writes]
+            self._beat_in(tag.info.save_dir)
             try:
                 sealing = self.checkpoint_process.call(
                     "seal", save_dir=_absolute(tag.info.save_dir), tag=tag.info.tag, paths=paths
@@ -336,6 +341,8 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
                 failed, self._failed = self._failed, []
                 raise self._commit_error(failed)
         finally:
+            for heartbeat in self._heartbeats.values():
+                heartbeat.stop(remove=True)
             self._destroy_group()
 
     def wait(self) -> None:
@@ -363,6 +370,13 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("ShmCheckpointEngine is closed")
+
+    def _beat_in(self, save_dir: Any) -> None:
+        if self.world_size == 1 or save_dir is None:
+            return
+        path = liveness.beat_path(Path(_absolute(save_dir)), self._run, self.rank)
+        if path not in self._heartbeats and path.parent.is_dir():
+            self._heartbeats[path] = liveness.Heartbeat(path)
 
     def _record(self, path: str, future: Future[None]) -> None:
         self._writes = {p: f for p, f in self._writes.items() if not f.done()}

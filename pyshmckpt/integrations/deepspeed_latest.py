@@ -8,7 +8,8 @@ Sealing writes a marker into the tag directory (``.pyshmckpt-<run>-rank<r>.durab
 ``.failed``); rank 0's writer waits for every rank's marker (bounded) and, when all say durable,
 replaces ``latest`` atomically with the tag's name and removes the markers. The ranks' trainers
 never write ``latest`` (one publisher, which outlives them), and it never names a tag of which a
-file is not durable.
+file is not durable. A rank whose processes are all gone (its heartbeat in the save directory,
+`storage.liveness`, stopped) is not waited for: ``latest`` stays, within the heartbeat timeout.
 
 This module runs in the writer process and does not import DeepSpeed.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import from_os_error
-from ..storage import commit
+from ..storage import commit, liveness
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,8 @@ class TagWriter:
         write_marker(marker(save_dir, tag, self.run, self.rank, durable))
         if self.rank != 0:
             return durable
-        published = durable and self._all_durable(save_dir, tag)
+        with liveness.beating(liveness.beat_path(Path(save_dir), self.run, self.rank)):
+            published = durable and self._all_durable(save_dir, tag)
         if published:
             write_latest(Path(save_dir), tag)
             logger.debug("latest of %s names %s", save_dir, tag)
@@ -106,6 +108,7 @@ class TagWriter:
         False as soon as one says they are not, or when the time is up."""
         deadline = time.monotonic() + self.commit_timeout
         waiting = set(range(1, self.world_size))
+        watch = liveness.Watch(Path(save_dir), self.run)
         while waiting:
             for rank in list(waiting):
                 if marker(save_dir, tag, self.run, rank, False).exists():
@@ -113,6 +116,13 @@ class TagWriter:
                     return False
                 if marker(save_dir, tag, self.run, rank, True).exists():
                     waiting.discard(rank)
+            gone = watch.gone(sorted(waiting))
+            if gone:
+                logger.warning(
+                    "ranks %s are gone before finishing checkpoint %r (%s): `latest` stays",
+                    gone, tag, "; ".join(watch.describe(r) for r in gone),
+                )  # fmt: skip
+                return False
             if waiting and time.monotonic() > deadline:
                 logger.warning(
                     "ranks %s did not finish checkpoint %r within %g s: `latest` stays",
