@@ -196,7 +196,9 @@ class Checkpointer:
         self._attempts = itertools.count(1)
         # The other ranks' writers see this rank alive while its trainer runs (see `liveness`).
         self._heartbeat = (
-            liveness.Heartbeat(liveness.beat_path(self.root, self._run_id, self.rank))
+            liveness.Heartbeat(
+                liveness.beat_path(self.root, self._run_id, self.rank), remove_at_exit=False
+            )
             if self.world_size > 1
             else None
         )

@@ -8,8 +8,10 @@ Sealing writes a marker into the tag directory (``.pyshmckpt-<run>-rank<r>.durab
 ``.failed``); rank 0's writer waits for every rank's marker (bounded) and, when all say durable,
 replaces ``latest`` atomically with the tag's name and removes the markers. The ranks' trainers
 never write ``latest`` (one publisher, which outlives them), and it never names a tag of which a
-file is not durable. A rank whose processes are all gone (its heartbeat in the save directory,
-`storage.liveness`, stopped) is not waited for: ``latest`` stays, within the heartbeat timeout.
+file is not durable. Each rank's trainer and writer beat in the save directory
+(`storage.liveness`; the writer from its first file there until it closes, so an orphaned writer
+still finishing counts as alive): a rank whose processes are all gone is not waited for, and
+``latest`` stays, within the heartbeat timeout.
 
 This module runs in the writer process and does not import DeepSpeed.
 """
@@ -75,8 +77,17 @@ class TagWriter:
         self.run = run
         self.commit_timeout = float(commit_timeout)
         self._durable: set[str] = set()  # paths whose last write succeeded
+        self._heartbeats: dict[Path, liveness.Heartbeat] = {}
+
+    def _beat_in(self, save_dir: Path) -> None:
+        if self.world_size == 1:
+            return
+        path = liveness.beat_path(save_dir, self.run, self.rank)
+        if path not in self._heartbeats and save_dir.is_dir():
+            self._heartbeats[path] = liveness.Heartbeat(path)
 
     def write(self, path: str, state_dict: Any, **kwargs: Any) -> None:
+        self._beat_in(Path(path).parent.parent)  # DeepSpeed's save_dir/tag/file
         self._durable.discard(path)
         self.writer.write(path=path, state_dict=state_dict, **kwargs)
         self._durable.add(path)
@@ -90,11 +101,11 @@ class TagWriter:
             if durable:
                 write_latest(Path(save_dir), tag)
             return durable
+        self._beat_in(Path(save_dir))
         write_marker(marker(save_dir, tag, self.run, self.rank, durable))
         if self.rank != 0:
             return durable
-        with liveness.beating(liveness.beat_path(Path(save_dir), self.run, self.rank)):
-            published = durable and self._all_durable(save_dir, tag)
+        published = durable and self._all_durable(save_dir, tag)
         if published:
             write_latest(Path(save_dir), tag)
             logger.debug("latest of %s names %s", save_dir, tag)
@@ -134,6 +145,8 @@ class TagWriter:
         return True
 
     def close(self) -> None:
+        for heartbeat in self._heartbeats.values():
+            heartbeat.stop(remove=True)
         close = getattr(self.writer, "close", None)
         if callable(close):
             close()

@@ -12,6 +12,7 @@ whose processes were killed.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import logging
@@ -35,9 +36,11 @@ def beat_path(root: Path, run: str, rank: int) -> Path:
 
 
 class Heartbeat:
-    """Beats `path` from a daemon thread until `stop()` (or the process's end)."""
+    """Beats `path` from a daemon thread until `stop()` (or the process's end). With
+    `remove_at_exit`, an interpreter that exits without `stop()` removes the file (an owner with
+    a finalizer of its own, which must beat while it finishes, stops it there instead)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, remove_at_exit: bool = True) -> None:
         self.path = path
         self._stopped = threading.Event()
         self._counter = itertools.count()
@@ -45,6 +48,9 @@ class Heartbeat:
         self._beat()  # the first beat before anyone waits on it
         self._thread = threading.Thread(target=self._run, name="pyshmckpt-heartbeat", daemon=True)
         self._thread.start()
+        self._at_exit = remove_at_exit
+        if remove_at_exit:
+            atexit.register(self._remove)
 
     def _run(self) -> None:
         while not self._stopped.wait(INTERVAL):
@@ -67,9 +73,15 @@ class Heartbeat:
     def stop(self, *, remove: bool = False) -> None:
         self._stopped.set()
         self._thread.join(INTERVAL * 2)
+        if self._at_exit:
+            atexit.unregister(self._remove)
         if remove:
-            with contextlib.suppress(OSError):
-                self.path.unlink()
+            self._remove()
+
+    def _remove(self) -> None:
+        self._stopped.set()
+        with contextlib.suppress(OSError):
+            self.path.unlink()
 
 
 _SHARED: dict[Path, tuple[Heartbeat, int]] = {}
@@ -82,7 +94,7 @@ def beating(path: Path) -> Iterator[None]:
     with _SHARED_LOCK:
         heartbeat, users = _SHARED.get(path, (None, 0))
         if heartbeat is None:
-            heartbeat = Heartbeat(path)
+            heartbeat = Heartbeat(path, remove_at_exit=False)
         _SHARED[path] = (heartbeat, users + 1)
     try:
         yield
