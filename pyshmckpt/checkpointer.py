@@ -116,11 +116,13 @@ class Checkpointer:
         capacity_bytes: bytes per slot, allocated up front (None: sized on first save).
         config: settings of the writer process (timeouts, restarts, what happens to staged saves
             when the trainer dies): a ``CheckpointProcessConfig``, pyshmckpt's or torch's.
-        rank, world_size: this process's place among ranks that write each checkpoint together
-            (None: from torch.distributed when it is initialized, else 0 and 1). Every rank saves
-            under the same name (pass ``name``, or save equally often so the automatic names
-            agree) into a root on a filesystem they share; a save completes on each rank once the
-            whole checkpoint is committed, and fails on every rank if any rank fails.
+        rank: this process's place among ranks that write each checkpoint together (None: from
+            torch.distributed when it is initialized, else 0). Every rank saves under the same
+            name (pass ``name``, or save equally often so the automatic names agree) into a root
+            on a filesystem they share; a save completes on each rank once the whole checkpoint
+            is committed, and fails on every rank if any rank fails.
+        world_size: how many ranks write each checkpoint together (None: from
+            torch.distributed when it is initialized, else 1).
         barrier_timeout: seconds rank 0 waits for the other ranks' files (and they for its commit)
             while those ranks live. A rank whose processes are all gone (killed, its node lost)
             stops its heartbeat on the root, and the save then fails on every rank with

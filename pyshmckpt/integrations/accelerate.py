@@ -115,9 +115,13 @@ class ShmStateSaver:
 
     Args:
         accelerator: the `Accelerator` whose prepared objects are saved.
-        slots, allow_pickle, direct_io, capacity_bytes, config, barrier_timeout: passed to the
-            `Checkpointer` (see there); ``allow_pickle`` also applies to loading. Optimizer state
+        slots: passed to the `Checkpointer` (see there).
+        allow_pickle: passed to the `Checkpointer`, and applies to loading too. Optimizer state
             is plain data; a model or optimizer holding other objects needs allow_pickle=True.
+        direct_io: passed to the `Checkpointer`.
+        capacity_bytes: passed to the `Checkpointer`.
+        config: passed to the `Checkpointer`.
+        barrier_timeout: passed to the `Checkpointer`.
     """
 
     def __init__(
