@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -22,17 +22,24 @@ from ..errors import (
     from_os_error,
 )
 from ..shm.native import copy_threads, crc32c, read_file_ranges
-from ..staging import manifest as layout
 from ..staging.dtensors import ShardInfo
+from ..staging.manifest import DTYPES, PARAMETER, REQUIRES_GRAD
 from . import commit, resharding, tree_codec
 from .safetensors_header import parse_header
 from .safetensors_writer import FORMAT, file_names
 
 logger = logging.getLogger(__name__)
 
-# A rank's opened files: manifest path, data file path, manifest, header, copy-on-write map of
-# the data file, and the data file, open.
-_Opened = tuple[Path, Path, dict[str, Any], Any, mmap.mmap, IO[bytes]]
+
+class _Opened(NamedTuple):
+    """A rank's files, opened: the data file stays open until the caller closes `file`."""
+
+    json_path: Path  # the manifest
+    st_path: Path  # the data file
+    described: dict[str, Any]  # the manifest, parsed
+    header: Any  # the data file's safetensors header
+    mapped: mmap.mmap  # a copy-on-write map of the data file
+    file: IO[bytes]  # the data file, open
 
 
 def _checkpoint_dir(path: str | os.PathLike[str]) -> Path:
@@ -95,9 +102,9 @@ def load(
     checkpoint's values.
     """
     opened = _open(path, rank)
-    with opened[5]:
-        directory = opened[0].parent
-        if into is not None and (_sharded(opened[2]) or resharding.holds_dtensors(into)):
+    with opened.file:
+        directory = opened.json_path.parent
+        if into is not None and (_sharded(opened.described) or resharding.holds_dtensors(into)):
             _reshard_into(opened, into, rank, verify=verify, allow_pickle=allow_pickle)
             return into
         if into is not None:
@@ -162,7 +169,7 @@ def _reshard_into(
 ) -> None:
     """Fill `into` (DTensors on any mesh, or plain tensors) from every rank's shards; `opened`
     is rank `rank`'s files, already open."""
-    directory = opened[0].parent
+    directory = opened.json_path.parent
     saved = ranks(directory)
     if rank not in saved:
         raise CheckpointCorruptError(
@@ -174,7 +181,7 @@ def _reshard_into(
             files.append(_rank_file(opened, r, allow_pickle))
             continue
         other = _open(directory, r)
-        with other[5]:  # the file map stays; the descriptor is not needed
+        with other.file:  # the file map stays; the descriptor is not needed
             files.append(_rank_file(other, r, allow_pickle))
     resharding.fill(into, files, saved.index(rank), verify, str(directory))
     logger.debug("resharded %s (%d ranks) into the target state dict", directory, len(saved))
@@ -378,7 +385,7 @@ def _tensors(
     for item in described:
         name = item.get("name") if isinstance(item, dict) else None
         try:
-            dtype = layout.DTYPES[item["dtype"]]
+            dtype = DTYPES[item["dtype"]]
             shape = [int(d) for d in item["shape"]]
             stride = [int(s) for s in item["stride"]]
             offset = int(item["offset"])
@@ -390,7 +397,7 @@ def _tensors(
                     "malformed tensor description: entry must be a string or null",
                     tensor=name,
                 )
-            if flags & layout.REQUIRES_GRAD and not (dtype.is_floating_point or dtype.is_complex):
+            if flags & REQUIRES_GRAD and not (dtype.is_floating_point or dtype.is_complex):
                 raise CheckpointCorruptError(
                     str(st_path), f"malformed tensor description: a {item['dtype']} tensor cannot require gradients",
                     tensor=name,
@@ -452,9 +459,9 @@ def _tensors(
 
 
 def _flagged(t: torch.Tensor, flags: int) -> torch.Tensor:
-    if flags & layout.PARAMETER:
-        return torch.nn.Parameter(t, requires_grad=bool(flags & layout.REQUIRES_GRAD))
-    if flags & layout.REQUIRES_GRAD:
+    if flags & PARAMETER:
+        return torch.nn.Parameter(t, requires_grad=bool(flags & REQUIRES_GRAD))
+    if flags & REQUIRES_GRAD:
         t.requires_grad_(True)
     return t
 
@@ -527,7 +534,7 @@ def _open(path: str | os.PathLike[str], rank: int) -> _Opened:
     except BaseException:
         f.close()
         raise
-    return json_path, st_path, described, header, mapped, f
+    return _Opened(json_path, st_path, described, header, mapped, f)
 
 
 @contextlib.contextmanager

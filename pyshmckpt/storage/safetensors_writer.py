@@ -27,7 +27,7 @@ from .._log import warn_once
 from ..errors import NotSupportedError
 from ..shm import SlotMapping
 from ..staging import Manifest
-from ..staging import manifest as layout
+from ..staging.manifest import contiguous_stride
 from . import commit, file_output, progress, tree_codec
 from .safetensors_header import NAME_TO_CODE, HeaderEntry, build_header, code_itemsize
 
@@ -88,7 +88,7 @@ def plan_file(manifest: Manifest, *, mirror_slot: bool = False) -> FilePlan:
             offsets[i] == blocks[b][0]
             and nbytes[i] == blocks[b][1]
             and dtypes[i] in NAME_TO_CODE
-            and stride == layout.contiguous_stride(shape)
+            and stride == contiguous_stride(shape)
         ):
             owner[b] = i
 

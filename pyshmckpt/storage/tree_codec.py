@@ -16,7 +16,18 @@ import sys
 from typing import Any
 
 from ..errors import CheckpointCorruptError, PickleNotAllowedError, UnsupportedValueError
-from ..staging import manifest as layout
+from ..staging.manifest import (
+    DICT,
+    LEAF,
+    LIST,
+    NAMED_TUPLE,
+    PICKLED,
+    REDUCED,
+    TUPLE,
+    dtype_name,
+    reconstruct,
+    torch_dtypes,
+)
 
 
 class _Malformed(Exception):
@@ -43,7 +54,7 @@ def _encode_leaf(value: Any, allow_pickle: bool) -> Any:
     # A torch dtype or Size exists only once torch is loaded; a process without it has neither.
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.dtype):
-        return {"dtype": layout.dtype_name(value)}
+        return {"dtype": dtype_name(value)}
     if torch is not None and type(value) is torch.Size:
         return {"size": list(value)}
     if type(value) in (list, tuple, dict, collections.OrderedDict):
@@ -100,16 +111,16 @@ def _plainly_plain(tree: Any) -> bool:
         if type(node) is int:  # a tensor
             continue
         kind = node[0]
-        if kind == layout.LEAF:
+        if kind == LEAF:
             if type(node[1]) not in _SCALARS:
                 return False
             continue
-        if kind == layout.DICT or kind == layout.REDUCED:
+        if kind == DICT or kind == REDUCED:
             if not _SCALARS.issuperset(map(type, node[1] or ())):
                 return False
-            if kind == layout.REDUCED and not _plain_odict(node):
+            if kind == REDUCED and not _plain_odict(node):
                 return False
-        elif kind != layout.LIST and kind != layout.TUPLE:
+        elif kind != LIST and kind != TUPLE:
             return False
         children = node[2]
         if not {int}.issuperset(map(type, children)):
@@ -134,32 +145,32 @@ def _encode(node: Any, allow_pickle: bool) -> Any:
     if type(node) is int:
         return {"t": node}
     kind = node[0]
-    if kind == layout.LEAF:
+    if kind == LEAF:
         return _encode_leaf(node[1], allow_pickle)
-    if kind == layout.PICKLED:  # already pickle bytes: stored as they came
+    if kind == PICKLED:  # already pickle bytes: stored as they came
         if not allow_pickle:
             raise _PickleRequired(f"a {node[1].type_name} (carried pickled)")
         return {"pickle": base64.b64encode(node[1].data).decode()}
     children = [_encode(child, allow_pickle) for child in node[2]]
-    if kind == layout.DICT:
+    if kind == DICT:
         return {
             "dict": [
                 [_encode_leaf(k, allow_pickle), c] for k, c in zip(node[1], children, strict=True)
             ]
         }
-    if kind == layout.LIST:
+    if kind == LIST:
         return {"list": children}
-    if kind == layout.TUPLE:
+    if kind == TUPLE:
         return {"tuple": children}
     keys = node[1]
-    func, args, state = node[3:6] if kind == layout.REDUCED else (None, None, None)
-    if kind == layout.REDUCED and func is collections.OrderedDict and not args and not state:
+    func, args, state = node[3:6] if kind == REDUCED else (None, None, None)
+    if kind == REDUCED and func is collections.OrderedDict and not args and not state:
         return {
             "odict": [
                 [_encode_leaf(k, allow_pickle), c] for k, c in zip(keys, children, strict=True)
             ]
         }
-    if kind == layout.REDUCED and func is collections.OrderedDict and not args:
+    if kind == REDUCED and func is collections.OrderedDict and not args:
         # A module state dict's OrderedDict carries _metadata (plain data): keep it as JSON.
         return {
             "odict": [
@@ -170,18 +181,18 @@ def _encode(node: Any, allow_pickle: bool) -> Any:
     if not allow_pickle:
         name = (
             node[3].__qualname__
-            if kind == layout.NAMED_TUPLE
+            if kind == NAMED_TUPLE
             else getattr(func, "__qualname__", repr(func))
         )
         raise _PickleRequired(f"a container of type {name}")
-    header = node[3] if kind == layout.NAMED_TUPLE else (func, args, state)
+    header = node[3] if kind == NAMED_TUPLE else (func, args, state)
     encoded: dict[str, Any] = {
-        "reduced" if kind == layout.REDUCED else "namedtuple": base64.b64encode(
+        "reduced" if kind == REDUCED else "namedtuple": base64.b64encode(
             pickle.dumps(header)
         ).decode(),
         "children": children,
     }
-    if kind == layout.REDUCED and keys is not None:
+    if kind == REDUCED and keys is not None:
         encoded["keys"] = [_encode_leaf(k, allow_pickle) for k in keys]
     return encoded
 
@@ -199,7 +210,7 @@ def _decode_leaf(value: Any, allow_pickle: bool) -> Any:
     if kind == "bytes":
         return base64.b64decode(payload, validate=True)
     if kind == "dtype":
-        return layout.torch_dtypes()[payload]
+        return torch_dtypes()[payload]
     if kind == "size":
         import torch
 
@@ -259,7 +270,7 @@ def _decode(value: Any, tensors: list[Any], allow_pickle: bool) -> Any:
             return _unpickle(value["namedtuple"], allow_pickle)(*children)
         func, args, state = _unpickle(value["reduced"], allow_pickle)
         keys = [_decode_leaf(k, allow_pickle) for k in value["keys"]] if "keys" in value else None
-        return layout.reconstruct((layout.REDUCED, keys, None, func, args, state), children)
+        return reconstruct((REDUCED, keys, None, func, args, state), children)
     return _decode_leaf(value, allow_pickle)
 
 
