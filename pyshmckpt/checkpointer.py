@@ -38,7 +38,7 @@ from .transport import CheckpointProcess, CheckpointProcessConfig, RankInfo, no_
 logger = logging.getLogger(__name__)
 
 
-def _place(rank: int | None, world_size: int | None) -> tuple[int, int]:
+def _rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is None or world_size is None:
         import torch.distributed as dist
 
@@ -175,7 +175,7 @@ class Checkpointer:
         self.root = Path(root)
         spec = writer_spec(writer)
         self._allow_pickle = bool(allow_pickle)
-        self.rank, self.world_size = _place(rank, world_size)
+        self.rank, self.world_size = _rank_and_world_size(rank, world_size)
         if (
             isinstance(barrier_timeout, bool)
             or not isinstance(barrier_timeout, (int, float))

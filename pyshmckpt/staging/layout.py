@@ -876,9 +876,9 @@ def _reuse(template: _Template, state_dict: Any, defer_flags: bool = False) -> S
     host, device = template.rows(block_storage)
     template.storage, template.host, template.device = block_storage, host, device
     gathers = [(i, tensors[i]) for i in template.gathers.tolist()]
-    relaid = manifest.relaid(tree, sharding)
+    replanned = manifest.with_tree(tree, sharding)
     return StagingPlan(
-        manifest=relaid,
+        manifest=replanned,
         host=host,
         device=device,
         gathers=gathers,

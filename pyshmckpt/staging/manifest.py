@@ -198,7 +198,7 @@ class Manifest:
         state.pop("view_args", None)
         return state
 
-    def relaid(self, tree: Any, sharding: Sharding | None) -> Manifest:
+    def with_tree(self, tree: Any, sharding: Sharding | None) -> Manifest:
         """A manifest with these columns (shared, not copied) and a new tree and sharding.
 
         For a state dict laid out as this one was (the caller checked it): the layout key, which

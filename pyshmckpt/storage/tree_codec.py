@@ -92,7 +92,7 @@ def encode(node: Any, allow_pickle: bool = False) -> Any:
 
 def check_plain(tree: Any) -> None:
     """Raise UnsupportedValueError if the tree needs pickle to be stored."""
-    if not _plainly_plain(tree):
+    if not _only_plain_values(tree):
         encode(tree, allow_pickle=False)  # raises, naming what needs pickle (or finds it plain)
 
 
@@ -100,7 +100,7 @@ def check_plain(tree: Any) -> None:
 _SCALARS = frozenset({type(None), bool, int, float, str})
 
 
-def _plainly_plain(tree: Any) -> bool:
+def _only_plain_values(tree: Any) -> bool:
     """True for a tree of dicts (OrderedDicts with plain attributes too), lists and tuples whose
     keys and leaves are None, bool, int, float or str, checked without building its encoding (a
     state dict's usual shape: a JSON check of 8,192 tensors in a tenth of the time of `encode`);

@@ -94,6 +94,8 @@ class OrphanPolicy:
 _ORPHAN_IDLE_LIMIT = 10.0
 # How long the writer waits, after the channel's EOF, for its trainer's death to show.
 _EOF_GRACE = 2.0
+# How long a second notice of the trainer's death waits for the first to take effect.
+_NOTICE_WAIT = 5.0
 
 
 class _TrainerWatch:
@@ -123,10 +125,14 @@ class _TrainerWatch:
 
     def died(self) -> None:
         """The trainer is gone (called from the watch thread or the main loop, never from a
-        signal handler: only the first call acts)."""
+        signal handler: only the first call acts; another waits, bounded, until it has). From
+        `dead` on, the writer's records go to stderr too: what the orphan logs is never lost to a
+        channel nobody reads."""
         if next(self._notices):
+            self.dead.wait(_NOTICE_WAIT)
             return
         self._progress = time.monotonic()  # the orphan's idle limit counts from here
+        logs.to_stderr()  # before `dead`: whoever acts on it logs to stderr already
         self.dead.set()
         if not self.policy.finish:
             self.exit(1)
@@ -137,7 +143,6 @@ class _TrainerWatch:
         threading.Thread(
             target=self._watchdog, name="pyshmckpt-orphan-watchdog", daemon=True
         ).start()
-        logs.to_stderr()
         logger.warning(
             "the trainer (pid %d) is gone: finishing the writes it handed over, then exiting",
             self.parent_pid,

@@ -85,7 +85,7 @@ def _encodes(tree: Any) -> bool:
 def test_check_plain_refuses_exactly_what_encoding_refuses(state):
     tree = layout.plan({"state": state}).manifest.tree
     plain = _encodes(tree)
-    if tree_codec._plainly_plain(tree):  # the fast path only ever says yes to plain trees
+    if tree_codec._only_plain_values(tree):  # the fast path only ever says yes to plain trees
         assert plain
     try:
         tree_codec.check_plain(tree)
@@ -103,8 +103,8 @@ def test_usual_state_dicts_take_the_fast_path():
         "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0], "name": None}],
     }
     state["step"], state["loss"] = 7, math.inf
-    assert tree_codec._plainly_plain(layout.plan(state).manifest.tree)
+    assert tree_codec._only_plain_values(layout.plan(state).manifest.tree)
     odict_with_object = collections.OrderedDict(a=1)
     odict_with_object.extra = Opaque(2)  # type: ignore[attr-defined]
     for unusual in (b"bytes", torch.float16, Opaque(1), (1, Pair(1, 2)), odict_with_object):
-        assert not tree_codec._plainly_plain(layout.plan({"x": unusual}).manifest.tree)
+        assert not tree_codec._only_plain_values(layout.plan({"x": unusual}).manifest.tree)
