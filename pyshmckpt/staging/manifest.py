@@ -17,7 +17,7 @@ import hashlib
 import pickle
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -32,13 +32,33 @@ if TYPE_CHECKING:
     DTYPES: dict[str, torch.dtype]  # (module __getattr__, below)
 
 # Node kinds of the structure tree. A tensor is a bare int (its index: ints are not tracked by the
-# garbage collector, which matters with thousands of tensors); any other node is a tuple whose
-# first item is its kind.
+# garbage collector, which matters with thousands of tensors); a value is a `Leaf`, a container a
+# `Container`, each with its kind first.
 # REDUCED covers every other dict or list type (OrderedDict, defaultdict, Counter, user
 # subclasses): it is rebuilt the way pickle would, from the container's __reduce_ex__, so that
 # constructor arguments and instance attributes (a module state dict's _metadata) survive.
 # PICKLED holds a `Pickled` leaf: a value a slot cannot hold, carried beside it by value.
 DICT, LIST, TUPLE, NAMED_TUPLE, LEAF, REDUCED, PICKLED = range(7)
+
+
+class Leaf(NamedTuple):
+    """A value of the tree that is neither a tensor nor a container."""
+
+    kind: int  # LEAF (the value itself, a snapshot) or PICKLED (a `Pickled`)
+    value: Any
+
+
+class Container(NamedTuple):
+    """A dict, list, tuple, named tuple or other dict or list type (REDUCED) of the tree."""
+
+    kind: int  # DICT, LIST, TUPLE, NAMED_TUPLE or REDUCED
+    keys: tuple[Any, ...] | None  # a DICT's keys, a REDUCED dict's; None for sequences
+    children: tuple[Any, ...]  # a node or a tensor index per item
+    # How to rebuild anything but a dict, list or tuple: a NAMED_TUPLE's class, or a REDUCED
+    # container's reduce function with the arguments and state its __reduce_ex__ gave.
+    factory: Any = None
+    args: Any = None
+    state: Any = None
 
 
 class Pickled:
@@ -140,7 +160,7 @@ class Manifest:
     TensorEntry. Offsets are bytes from the slot start.
     """
 
-    tree: Any  # containers, keys and leaves as tuples; the int i where tensor i goes
+    tree: Any  # `Container` and `Leaf` nodes; the int i where tensor i goes
     dtypes: tuple[str, ...]  # dtype names; the `dtype` column indexes this
     dtype: np.ndarray  # (n,) int16
     ndim: np.ndarray  # (n,) int16
@@ -269,14 +289,13 @@ def _collect_paths(node: Any, path: tuple[Any, ...], out: list[Any]) -> None:
         if out[node] is None:
             out[node] = path
         return
-    kind = node[0]
-    if kind == LEAF or kind == PICKLED:
+    if type(node) is Leaf:
         return
-    if kind == DICT or (kind == REDUCED and node[1] is not None):
-        for key, child in zip(node[1], node[2], strict=True):
+    if node.keys is not None:
+        for key, child in zip(node.keys, node.children, strict=True):
             _collect_paths(child, (*path, key), out)
     else:
-        for i, child in enumerate(node[2]):
+        for i, child in enumerate(node.children):
             _collect_paths(child, (*path, i), out)
 
 
@@ -357,11 +376,10 @@ def tensor_steps(node: Any, index: int) -> list[Any] | None:
     or None when it does not occur."""
     if type(node) is int:
         return [] if node == index else None
-    kind = node[0]
-    if kind == LEAF or kind == PICKLED:
+    if type(node) is Leaf:
         return None
-    keys = node[1] if kind == DICT or (kind == REDUCED and node[1] is not None) else None
-    for i, child in enumerate(node[2]):
+    keys = node.keys
+    for i, child in enumerate(node.children):
         rest = tensor_steps(child, index)
         if rest is not None:
             return [keys[i] if keys is not None else i, *rest]
@@ -372,28 +390,28 @@ def build(node: Any, tensors: list[torch.Tensor]) -> Any:
     """The structure of `node` with tensor references replaced by `tensors[i]`."""
     if type(node) is int:
         return tensors[node]
-    kind = node[0]
+    kind = node.kind
     if kind == LEAF:
-        return node[1]
+        return node.value
     if kind == PICKLED:
-        return node[1].value
+        return node.value.value
     # Tensors are bare ints: resolve them inline, as most children of a state dict are tensors.
-    values = [tensors[c] if type(c) is int else build(c, tensors) for c in node[2]]
+    values = [tensors[c] if type(c) is int else build(c, tensors) for c in node.children]
     if kind == DICT:
-        return dict(zip(node[1], values, strict=True))
+        return dict(zip(node.keys, values, strict=True))
     if kind == LIST:
         return values
     if kind == TUPLE:
         return tuple(values)
     if kind == NAMED_TUPLE:
-        return node[3](*values)
+        return node.factory(*values)
     return reconstruct(node, values)
 
 
-def reconstruct(node: tuple[Any, ...], values: list[Any]) -> Any:
+def reconstruct(node: Container, values: list[Any]) -> Any:
     """Rebuild a REDUCED container as pickle would (see copy._reconstruct)."""
-    _, keys, _, func, args, state = node
-    obj = func(*args)
+    keys, state = node.keys, node.state
+    obj = node.factory(*node.args)
     if keys is not None:
         for key, value in zip(keys, values, strict=True):
             obj[key] = value

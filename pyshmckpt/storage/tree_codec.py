@@ -24,6 +24,7 @@ from ..staging.manifest import (
     PICKLED,
     REDUCED,
     TUPLE,
+    Container,
     dtype_name,
     reconstruct,
     torch_dtypes,
@@ -110,32 +111,31 @@ def _only_plain_values(tree: Any) -> bool:
         node = stack.pop()
         if type(node) is int:  # a tensor
             continue
-        kind = node[0]
+        kind = node.kind
         if kind == LEAF:
-            if type(node[1]) not in _SCALARS:
+            if type(node.value) not in _SCALARS:
                 return False
             continue
         if kind == DICT or kind == REDUCED:
-            if not _SCALARS.issuperset(map(type, node[1] or ())):
+            if not _SCALARS.issuperset(map(type, node.keys or ())):
                 return False
             if kind == REDUCED and not _plain_odict(node):
                 return False
         elif kind != LIST and kind != TUPLE:
             return False
-        children = node[2]
+        children = node.children
         if not {int}.issuperset(map(type, children)):
             stack.extend(children)
     return True
 
 
-def _plain_odict(node: tuple[Any, ...]) -> bool:
+def _plain_odict(node: Container) -> bool:
     """Whether a REDUCED node is an OrderedDict whose attributes are plain (a module's state dict
     and its ``_metadata``)."""
-    _, _, _, func, args, state = node
-    if func is not collections.OrderedDict or args:
+    if node.factory is not collections.OrderedDict or node.args:
         return False
     try:
-        _encode_leaf(state, False)
+        _encode_leaf(node.state, False)
     except _PickleRequired:
         return False
     return True
@@ -144,26 +144,26 @@ def _plain_odict(node: tuple[Any, ...]) -> bool:
 def _encode(node: Any, allow_pickle: bool) -> Any:
     if type(node) is int:
         return {"t": node}
-    kind = node[0]
+    kind = node.kind
     if kind == LEAF:
-        return _encode_leaf(node[1], allow_pickle)
+        return _encode_leaf(node.value, allow_pickle)
     if kind == PICKLED:  # already pickle bytes: stored as they came
         if not allow_pickle:
-            raise _PickleRequired(f"a {node[1].type_name} (carried pickled)")
-        return {"pickle": base64.b64encode(node[1].data).decode()}
-    children = [_encode(child, allow_pickle) for child in node[2]]
+            raise _PickleRequired(f"a {node.value.type_name} (carried pickled)")
+        return {"pickle": base64.b64encode(node.value.data).decode()}
+    children = [_encode(child, allow_pickle) for child in node.children]
+    keys = node.keys
     if kind == DICT:
         return {
             "dict": [
-                [_encode_leaf(k, allow_pickle), c] for k, c in zip(node[1], children, strict=True)
+                [_encode_leaf(k, allow_pickle), c] for k, c in zip(keys, children, strict=True)
             ]
         }
     if kind == LIST:
         return {"list": children}
     if kind == TUPLE:
         return {"tuple": children}
-    keys = node[1]
-    func, args, state = node[3:6] if kind == REDUCED else (None, None, None)
+    func, args, state = node.factory, node.args, node.state
     if kind == REDUCED and func is collections.OrderedDict and not args and not state:
         return {
             "odict": [
@@ -179,13 +179,9 @@ def _encode(node: Any, allow_pickle: bool) -> Any:
             "attrs": _encode_leaf(state, allow_pickle),
         }
     if not allow_pickle:
-        name = (
-            node[3].__qualname__
-            if kind == NAMED_TUPLE
-            else getattr(func, "__qualname__", repr(func))
-        )
+        name = getattr(func, "__qualname__", repr(func))
         raise _PickleRequired(f"a container of type {name}")
-    header = node[3] if kind == NAMED_TUPLE else (func, args, state)
+    header = func if kind == NAMED_TUPLE else (func, args, state)
     encoded: dict[str, Any] = {
         "reduced" if kind == REDUCED else "namedtuple": base64.b64encode(
             pickle.dumps(header)
@@ -269,8 +265,10 @@ def _decode(value: Any, tensors: list[Any], allow_pickle: bool) -> Any:
         if "namedtuple" in value:
             return _unpickle(value["namedtuple"], allow_pickle)(*children)
         func, args, state = _unpickle(value["reduced"], allow_pickle)
-        keys = [_decode_leaf(k, allow_pickle) for k in value["keys"]] if "keys" in value else None
-        return reconstruct((REDUCED, keys, None, func, args, state), children)
+        keys = (
+            tuple(_decode_leaf(k, allow_pickle) for k in value["keys"]) if "keys" in value else None
+        )
+        return reconstruct(Container(REDUCED, keys, (), func, args, state), children)
     return _decode_leaf(value, allow_pickle)
 
 

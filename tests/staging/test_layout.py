@@ -1,27 +1,22 @@
-"""Layout of state dicts in a slot (pyshmckpt/layout.py): plan(), Manifest, rebuild().
+"""Layout of state dicts in a slot (pyshmckpt/staging/layout.py): plan(), Manifest, rebuild().
 
-Most tests run a plan into an ordinary byte buffer (``execute`` below does what the stager does:
-byte copies for the host entries, torch copies for the gathers, then ``rebuild``), so the
-layout is tested on its own; the ``stager`` tests repeat the important cases through the real
-ShmStager and its shared-memory slots.
+Most tests run a plan into an ordinary byte buffer (``execute``, from layout_checks, does what
+the stager does), so the layout is tested on its own; the ``stager`` tests repeat the important
+cases through the real ShmStager and its shared-memory slots.
 
-Every check raises explicitly (``check``/``same`` below) instead of using ``assert``, so the suite
-still checks something when it runs under ``python -O`` (PYTHONOPTIMIZE=1).
+Every check raises explicitly (``check``/``same``) instead of using ``assert``, so the suite still
+checks something when it runs under ``python -O`` (PYTHONOPTIMIZE=1).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import ctypes
 import dataclasses
 import gc
 import io
 import math
 import pickle
 import threading
-import warnings
-import weakref
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -29,14 +24,28 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from layout_checks import (
+    COMPLEX_DTYPES,
+    SLOT_OFFSET,
+    Point,
+    assert_identity_and_aliasing,
+    assert_manifests_equal,
+    assert_same,
+    check,
+    check_plan,
+    element_bytes,
+    execute,
+    quiet,
+    random_tensor,
+    same,
+    state_dicts,
+)
 
 from pyshmckpt import SlotState, TensorEntry, UnsupportedValueError, knobs
 from pyshmckpt.staging import layout
 from pyshmckpt.staging.manifest import (
     DTYPES,
-    LEAF,
     PARAMETER,
-    PICKLED,
     REQUIRES_GRAD,
     Manifest,
     build,
@@ -56,7 +65,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning"),
 ]
 
-SLOT_OFFSET = 192  # where the slot starts in the helper's buffer (64-aligned, like a real slot)
 QUANTIZED_DTYPES = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
 ALL_DTYPE_NAMES = sorted(DTYPES)
 # Dtypes for which torch itself can copy a non-dense tensor (needed for gathered views).
@@ -66,244 +74,12 @@ COPYABLE_DTYPES = [
     torch.complex32, torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2,
     torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu,
 ]  # fmt: skip
-COMPLEX_DTYPES = [torch.complex32, torch.complex64, torch.complex128]
 
 
 # -- checks that survive python -O ------------------------------------------------------------
 
 
-def check(condition: Any, message: str = "check failed") -> None:
-    if not condition:
-        raise AssertionError(message)
-
-
-def same(got: Any, want: Any, what: str = "value") -> None:
-    if not (got == want):
-        raise AssertionError(f"{what}: got {got!r}, want {want!r}")
-
-
-@contextlib.contextmanager
-def quiet():
-    """Silence torch's prototype/beta/deprecation warnings while making exotic tensors."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-def element_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of every element in logical order, shape (*t.shape, itemsize), as uint8.
-
-    Works for any dtype and any strides without torch copying elements of that dtype (which it
-    cannot do for sub-byte and quantized dtypes); lazy conj/neg bits are resolved first.
-    """
-    t = t.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    n = t.element_size()
-    return torch.empty(0, dtype=torch.uint8).set_(
-        t.untyped_storage(),
-        t.storage_offset() * n,
-        (*t.shape, n),
-        (*(s * n for s in t.stride()), 1),
-    )
-
-
-def assert_tensor(got: Any, want: torch.Tensor, where: str = "tensor") -> None:
-    check(isinstance(got, torch.Tensor), f"{where}: {type(got)} is not a tensor")
-    same(type(got), type(want), f"{where} type")
-    same(got.dtype, want.dtype, f"{where} dtype")
-    same(tuple(got.shape), tuple(want.shape), f"{where} shape")
-    same(got.device, torch.device("cpu"), f"{where} device")
-    same(got.requires_grad, want.requires_grad, f"{where} requires_grad")
-    check(
-        not got.is_conj() and not got.is_neg(), f"{where}: staged tensor kept a lazy conj/neg bit"
-    )
-    check(
-        torch.equal(element_bytes(got), element_bytes(want)),
-        f"{where}: bytes differ\n got {element_bytes(got).flatten().tolist()[:64]}\n"
-        f"want {element_bytes(want).flatten().tolist()[:64]}",
-    )
-
-
-def leaf_equal(got: Any, want: Any) -> bool:
-    if type(got) is not type(want):
-        return False
-    if isinstance(want, float) and math.isnan(want):
-        return math.isnan(got)
-    if isinstance(want, np.ndarray):
-        return got.dtype == want.dtype and np.array_equal(got, want)
-    return bool(got == want)
-
-
-def assert_same(got: Any, want: Any, where: str = "state_dict") -> None:
-    """Same structure, container types, keys (in order), leaves and tensor bytes."""
-    same(type(got), type(want), f"{where} type")
-    if isinstance(want, torch.Tensor):
-        assert_tensor(got, want, where)
-    elif isinstance(want, dict):
-        same(list(got.keys()), list(want.keys()), f"{where} keys")
-        if isinstance(want, collections.defaultdict):
-            check(got.default_factory is want.default_factory, f"{where}: default_factory lost")
-        for key in want:
-            assert_same(got[key], want[key], f"{where}[{key!r}]")
-    elif isinstance(want, (list, tuple)):
-        same(len(got), len(want), f"{where} length")
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert_same(g, w, f"{where}[{i}]")
-    else:
-        check(leaf_equal(got, want), f"{where}: leaf {got!r} != {want!r}")
-
-
-def tensor_leaves(obj: Any) -> list[torch.Tensor]:
-    """Tensors in the walk order of plan() (dict values in order, sequences in order)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in tensor_leaves(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in tensor_leaves(v)]
-    return []
-
-
-def assert_identity_and_aliasing(got: Any, want: Any, plan: layout.StagingPlan) -> None:
-    """Repeated tensor objects come back identical; storage-sharing tensors keep their placement.
-
-    Tensors staged as raw bytes (not gathered) that shared a source storage share one block, so
-    the distance between their data pointers is the same as in the source.
-    """
-    got_t, want_t = tensor_leaves(got), tensor_leaves(want)
-    same(len(got_t), len(want_t), "number of tensor positions")
-    gathered = {id(source) for _, source in plan.gathers}
-    for i in range(len(want_t)):
-        for j in range(i + 1, len(want_t)):
-            a, b = want_t[i], want_t[j]
-            same(got_t[i] is got_t[j], a is b, f"identity of tensor positions {i} and {j}")
-            if (
-                a is not b
-                and a.numel()
-                and b.numel()
-                and id(a) not in gathered
-                and id(b) not in gathered
-                and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            ):
-                same(
-                    got_t[i].data_ptr() - got_t[j].data_ptr(),
-                    a.data_ptr() - b.data_ptr(),
-                    f"relative placement of aliasing tensors {i} and {j}",
-                )
-
-
 # -- running a plan without the stager ----------------------------------------------------------
-
-
-def execute(plan: layout.StagingPlan, slot_offset: int = SLOT_OFFSET) -> tuple[Any, torch.Tensor]:
-    """Fill a byte buffer as the stager fills a slot, and rebuild the state dict from it."""
-    manifest = plan.manifest
-    check(plan.device == {}, "CPU tensors produced device copy entries")
-    # A poison pattern rather than zeros: bytes that no entry fills are noticed.
-    buf = torch.full((slot_offset + manifest.size + 4096,), 0xA5, dtype=torch.uint8)
-    for src, dst, nbytes in plan.host.tolist():
-        ctypes.memmove(buf.data_ptr() + slot_offset + dst, src, nbytes)
-    with torch.no_grad():
-        for index, source in plan.gathers:
-            stride = contiguous_stride(tuple(source.shape))
-            element = (slot_offset + int(manifest.offset[index])) // source.dtype.itemsize
-            target = torch.empty(0, dtype=source.dtype)
-            target.set_(buf.untyped_storage(), element, source.shape, stride).copy_(source)
-    return rebuild(manifest, buf.untyped_storage(), slot_offset), buf
-
-
-def extent_bytes(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:
-    if math.prod(shape) == 0:
-        return 0
-    return itemsize * (1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True)))
-
-
-def check_plan(plan: layout.StagingPlan) -> None:
-    """Invariants of a plan and its manifest that hold for every state dict."""
-    m = plan.manifest
-    n = len(m)
-    for name in ("dtype", "ndim", "offset", "nbytes", "block", "flags"):
-        same(len(getattr(m, name)), n, f"length of column {name}")
-    same(len(m.shapes), int(m.ndim.sum()), "length of shapes")
-    same(len(m.strides), int(m.ndim.sum()), "length of strides")
-    same(len(plan.sources), n, "number of sources")
-    same(m.blocks.shape, (m.blocks.shape[0], 2), "blocks shape")
-    check(all(0 <= c < len(m.dtypes) for c in m.dtype.tolist()), "dtype code out of range")
-    same(len(set(m.dtypes)), len(m.dtypes), "duplicate dtype names")
-
-    # Blocks: aligned, in slot order, disjoint, and the last one ends at manifest.size.
-    align = knobs.alignment()
-    end = 0
-    for offset, nbytes in m.blocks.tolist():
-        same(offset % align, 0, f"alignment of block at {offset}")
-        check(nbytes > 0, f"empty block at {offset}")
-        check(offset >= end, f"block at {offset} overlaps the previous one (ending at {end})")
-        end = offset + nbytes
-    same(m.size, end, "manifest.size")
-
-    # Blocks are numbered in order of the first tensor that uses them.
-    used = [b for b in m.block.tolist() if b >= 0]
-    same(list(dict.fromkeys(used)), list(range(len(m.blocks))), "blocks in first-seen order")
-
-    # Every tensor with elements lies inside its block, aligned for its dtype.
-    for i, entry in enumerate(m.entries()):
-        itemsize = DTYPES[entry.dtype].itemsize
-        source = plan.sources[i]
-        same(entry.nbytes, source.numel() * itemsize, f"nbytes of tensor {i}")
-        if entry.nbytes == 0:
-            same(entry.block, -1, f"block of empty tensor {i}")
-            continue
-        check(0 <= entry.block < len(m.blocks), f"tensor {i} has block {entry.block}")
-        block_offset, block_bytes = m.blocks[entry.block].tolist()
-        same(entry.offset % itemsize, 0, f"offset alignment of tensor {i}")
-        check(block_offset <= entry.offset, f"tensor {i} starts before its block")
-        check(
-            entry.offset + extent_bytes(entry.shape, entry.stride, itemsize)
-            <= block_offset + block_bytes,
-            f"tensor {i} reaches past its block",
-        )
-
-    # Each block is filled exactly once: by one host copy, or by one gather. The other host rows
-    # copy zeros into the alignment gaps between blocks.
-    block_bytes_at = dict(m.blocks.tolist())
-    block_rows = [row for row in plan.host.tolist() if row[1] in block_bytes_at]
-    gap_rows = [row for row in plan.host.tolist() if row[1] not in block_bytes_at]
-    host_dst = [dst for _, dst, _ in block_rows]
-    gather_dst = [int(m.blocks[int(m.block[i]), 0]) for i, _ in plan.gathers]
-    same(sorted(host_dst + gather_dst), m.blocks[:, 0].tolist(), "blocks filled")
-    for _, dst, nbytes in block_rows:
-        same(nbytes, block_bytes_at[dst], f"bytes copied into block at {dst}")
-
-    # Together the entries write every byte of [0, manifest.size) exactly once: the blocks, and
-    # the gaps between them (each shorter than the alignment) from a source of zeros.
-    spans = sorted([*m.blocks.tolist(), *[[dst, nbytes] for _, dst, nbytes in gap_rows]])
-    end = 0
-    for offset, nbytes in spans:
-        same(offset, end, "start of the next block or gap")
-        end = offset + nbytes
-    same(end, m.size, "end of what the plan writes")
-    for src, dst, nbytes in gap_rows:
-        check(0 < nbytes < align, f"gap of {nbytes} bytes at {dst} (alignment {align})")
-        same(ctypes.string_at(src, nbytes), bytes(nbytes), f"source of the gap at {dst}")
-    for index, source in plan.gathers:
-        check(plan.sources[index] is source, f"gather {index} is not source {index}")
-        entry = m.entry(index)
-        same(entry.stride, contiguous_stride(entry.shape), f"stride of gathered {index}")
-        same(int(m.blocks[entry.block, 1]), entry.nbytes, f"block bytes of gathered {index}")
-        same(entry.offset, int(m.blocks[entry.block, 0]), f"offset of gathered {index}")
-
-    # Block copies read from inside the source storages: plan() copies nothing itself.
-    storages = [
-        (s.untyped_storage().data_ptr(), s.untyped_storage().nbytes()) for s in plan.sources
-    ]
-    for src, _, nbytes in block_rows:
-        check(
-            any(ptr <= src and src + nbytes <= ptr + size for ptr, size in storages),
-            f"host copy from {src:#x} (+{nbytes}) is outside every source storage",
-        )
 
 
 def check_gaps_zeroed(manifest: Manifest, buf: torch.Tensor, slot_offset: int) -> None:
@@ -339,38 +115,7 @@ def stage_and_check(stager, state_dict: Any) -> Any:
     return staged
 
 
-def assert_manifests_equal(a: Manifest, b: Manifest) -> None:
-    same(a.tree, b.tree, "manifest tree")
-    same(a.dtypes, b.dtypes, "manifest dtypes")
-    same(a.size, b.size, "manifest size")
-    for name in (
-        "dtype",
-        "ndim",
-        "shapes",
-        "strides",
-        "offset",
-        "nbytes",
-        "block",
-        "flags",
-        "blocks",
-    ):
-        x, y = getattr(a, name), getattr(b, name)
-        same(x.dtype, y.dtype, f"dtype of column {name}")
-        check(np.array_equal(x, y), f"column {name}: {x!r} != {y!r}")
-
-
 # -- tensors ------------------------------------------------------------------------------------
-
-
-def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
-    """A contiguous tensor of random *bytes* (NaN payloads, subnormals and all); bool is 0/1."""
-    g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(
-        0, 256, (math.prod(shape) * dtype.itemsize,), generator=g, dtype=torch.uint8
-    )
-    if dtype is torch.bool:
-        raw %= 2
-    return raw.view(dtype).reshape(shape)
 
 
 def make_or_skip(name: str, shape: tuple[int, ...] = (4, 6), seed: int = 0) -> torch.Tensor:
@@ -634,9 +379,6 @@ class AttrDict(dict):
 
 class TaggedList(list):
     pass
-
-
-Point = collections.namedtuple("Point", ["x", "y"])
 
 
 class Pair(NamedTuple):
@@ -1356,98 +1098,6 @@ def test_plan_accepts_only_what_can_be_staged(stager, make):
 
 # -- property tests ----------------------------------------------------------------------------
 
-HYPOTHESIS_DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-]  # fmt: skip
-VIEWS = (
-    "step",
-    "conj",
-    "same",
-    "transpose",
-    "imag",
-    "alias",
-    "expand",
-    "rows",
-    "permute",
-    "scalar",
-)
-
-
-def apply_view(t: torch.Tensor, how: str) -> torch.Tensor:
-    """A view of `t` (or `t` itself where the view does not apply)."""
-    if how == "alias":
-        return t.view(t.shape)
-    if how == "transpose" and t.dim() >= 2:
-        return t.transpose(0, -1)
-    if how == "step" and t.dim() >= 1:
-        return t[::2]
-    if how == "rows" and t.dim() >= 1:
-        return t[1:]
-    if how == "expand":
-        return t.unsqueeze(0).expand(2, *t.shape)
-    if how == "permute" and t.dim() >= 2:
-        return t.permute(*reversed(range(t.dim())))
-    if how == "conj" and t.is_complex():
-        return t.conj()
-    if how == "imag" and t.is_complex():
-        return t.conj().imag  # a lazy neg view
-    if how == "scalar" and t.numel() > 0:
-        return t.reshape(-1)[t.numel() - 1] if t.is_contiguous() else t
-    return t
-
-
-LEAVES = (
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**70), 2**70)
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=5)
-    | st.binary(max_size=5)
-    | st.sampled_from([torch.float32, torch.Size([1, 2]), torch.device("cpu")])
-)
-KEYS = st.text(max_size=4) | st.integers(-5, 5) | st.tuples(st.integers(0, 3), st.text(max_size=2))
-
-
-CONTAINERS = ("list", "tuple", "dict", "ordered", "point")
-DIM_SIZES = (3, 2, 4, 1, 5, 0)  # mostly non-empty; hypothesis shrinks towards the first
-
-
-@st.composite
-def state_dicts(draw: Any) -> Any:
-    """Random nested dict/list/tuple/namedtuple/OrderedDict trees of tensors and leaves.
-
-    Tensors come from a small pool of random base tensors, each used as itself or through a view
-    (transpose, step slice, offset slice, expand, permute, conj, neg, 0-d element), so repeated
-    objects, tensors sharing a storage, lazy conj/neg views and gathers all show up.
-    """
-    pool = []
-    for _ in range(draw(st.integers(1, 4))):
-        dtype = draw(st.sampled_from(HYPOTHESIS_DTYPES + COMPLEX_DTYPES[1:]))  # complex x2
-        ndim = draw(st.sampled_from((2, 1, 3, 0)))
-        shape = tuple(draw(st.sampled_from(DIM_SIZES)) for _ in range(ndim))
-        pool.append(random_tensor(dtype, shape, draw(st.integers(0, 2**16))))
-    kinds = st.sampled_from(("tensor", "container", "tensor", "leaf", "tensor", "container"))
-
-    def node(depth: int) -> Any:
-        kind = draw(kinds)
-        if kind == "tensor":
-            return apply_view(draw(st.sampled_from(pool)), draw(st.sampled_from(VIEWS)))
-        if kind == "leaf" or depth >= 3:
-            return draw(LEAVES)
-        container = draw(st.sampled_from(CONTAINERS))
-        if container == "point":
-            return Point(node(depth + 1), node(depth + 1))
-        if container in ("list", "tuple"):
-            items = [node(depth + 1) for _ in range(draw(st.integers(0, 3)))]
-            return items if container == "list" else tuple(items)
-        keys = draw(st.lists(KEYS, max_size=3, unique=True))
-        mapping = {key: node(depth + 1) for key in keys}
-        return mapping if container == "dict" else collections.OrderedDict(mapping)
-
-    keys = draw(st.lists(KEYS, min_size=2, max_size=6, unique=True))
-    return {key: node(1) for key in keys}
-
 
 @settings(
     max_examples=50,
@@ -1492,465 +1142,3 @@ def test_property_round_trip_through_the_stager(stager, state):
     stager.release(staged)
     del staged
     gc.collect()
-
-
-# -- Planner: reusing the last layout -------------------------------------------------------------
-
-
-def base_state() -> dict[str, Any]:
-    """A state dict with tied storages, a repeated object, views, leaves and nested containers."""
-    w = torch.randn(6, 4)
-    buf = torch.arange(32, dtype=torch.float32)
-    params = collections.OrderedDict(w=torch.nn.Parameter(torch.randn(3)), b=torch.zeros(2))
-    params._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
-    return {
-        "embed": w,
-        "head": w.detach(),  # tied: another object over w's storage
-        "again": [w],  # the same object a second time
-        "low": buf[:16],
-        "high": buf[16:].view(4, 4),  # two views of one buffer
-        "wide": torch.randn(5, 2).t(),  # non-contiguous, but dense
-        "strided": torch.randn(8)[::2],  # gathered
-        "half": torch.ones(3, dtype=torch.float16),
-        "empty": torch.empty(0, 3),
-        "params": params,
-        "point": Counted(torch.ones(2), 2),
-        "opt": {"step": 10, "lr": 0.5, "name": "adam", "betas": (0.9, 0.99), "extra": {"k": [1]}},
-        # Only tensors, each once: the planner checks such a container's children in one go.
-        "layer": {"w": torch.randn(2, 3), "b": torch.randn(3), "g": torch.ones(3)},
-    }
-
-
-class Counted(NamedTuple):
-    t: torch.Tensor
-    n: int
-
-
-def assert_plans_equal(got: layout.StagingPlan, want: layout.StagingPlan) -> None:
-    """A reused plan must be what a full plan of the same state dict is."""
-    assert_manifests_equal(got.manifest, want.manifest)
-    same(got.manifest.layout_key, want.manifest.layout_key, "layout key")
-    check(np.array_equal(got.host, want.host), f"host rows: {got.host!r} != {want.host!r}")
-    same(sorted(got.device), sorted(want.device), "devices")
-    same([i for i, _ in got.gathers], [i for i, _ in want.gathers], "gathered tensors")
-    for (_, a), (_, b) in zip(got.gathers, want.gathers, strict=True):
-        check(a is b, "a gather reads another tensor than a full plan's")
-    same(len(got.sources), len(want.sources), "number of sources")
-    for a, b in zip(got.sources, want.sources, strict=True):
-        check(a is b, "a source is another tensor than a full plan's")
-
-
-def plan_again(state_dict: Any) -> tuple[layout.Planner, layout.StagingPlan]:
-    """A planner that saw `state_dict` once, and its second plan of it."""
-    planner = layout.Planner()
-    planner.plan(state_dict)
-    return planner, planner.plan(state_dict)
-
-
-def test_planner_reuses_the_layout_of_an_unchanged_state_dict():
-    state = base_state()
-    planner, again = plan_again(state)
-    same((planner.stats.plans, planner.stats.reuses), (1, 1), "plans, reuses")
-    check(planner.stats.last_replan is None, "a reason for a replan that did not happen")
-    assert_plans_equal(again, layout.plan(state))
-    check_plan(again)
-    staged, _ = execute(again)
-    assert_same(staged, state)
-    assert_identity_and_aliasing(staged, state, again)
-
-
-def test_reused_plans_stage_the_values_of_the_moment():
-    state = base_state()
-    planner = layout.Planner()
-    planner.plan(state)
-    with torch.no_grad():
-        state["embed"].mul_(2)
-        state["low"].fill_(-1.5)
-        state["params"]["w"].add_(3)
-    state["opt"]["step"] = 11
-    state["opt"]["extra"]["k"][0] = 2  # appending would change the structure: a full plan
-    state["point"] = Counted(state["point"].t, 3)
-    again = planner.plan(state)
-    same(planner.stats.reuses, 1, "reuses")
-    staged, _ = execute(again)
-    assert_same(staged, state)
-    same(staged["opt"]["step"], 11, "a changed leaf")
-    same(staged["opt"]["extra"], {"k": [2]}, "a changed leaf inside nested containers")
-    same(staged["point"].n, 3, "a changed named tuple leaf")
-    same(staged["params"]._metadata, {"": {"version": 1}}, "module metadata")
-    # Leaves are snapshots: changing them after planning changes nothing staged.
-    state["opt"]["betas"] = (0.5, 0.5)
-    state["params"]._metadata[""]["version"] = 2
-    staged, _ = execute(again)
-    same(staged["opt"]["betas"], (0.9, 0.99), "a leaf changed after planning")
-    same(staged["params"]._metadata, {"": {"version": 1}}, "metadata changed after planning")
-
-
-def test_a_tensor_replaced_by_another_of_the_same_layout_is_read_from_its_own_memory():
-    state = base_state()
-    planner = layout.Planner()
-    planner.plan(state)
-    state["half"] = torch.full((3,), 7, dtype=torch.float16)
-    w = torch.randn(6, 4)  # a new tied pair, at new addresses
-    state["embed"], state["head"], state["again"] = w, w.detach(), [w]
-    state["params"]["w"].data = torch.randn(3)  # .data swaps the storage of the same object
-    again = planner.plan(state)
-    same(planner.stats.reuses, 1, "reuses")
-    assert_plans_equal(again, layout.plan(state))
-    staged, _ = execute(again)
-    assert_same(staged, state)
-    assert_identity_and_aliasing(staged, state, again)
-
-
-def test_a_storage_freed_and_reallocated_at_the_same_address_is_planned_right():
-    # Addresses repeat after a free: the check compares the sharing pattern of the new addresses,
-    # never the new addresses with the old ones.
-    a, b = torch.randn(1024), torch.randn(1024)
-    planner = layout.Planner()
-    planner.plan({"a": a, "b": b})
-    address = b.data_ptr()
-    del b
-    c = torch.randn(1024)  # likely at b's old address
-    state = {"a": a, "b": c}
-    again = planner.plan(state)
-    same(planner.stats.reuses, 1, "reuses")
-    assert_plans_equal(again, layout.plan(state))
-    staged, _ = execute(again)
-    assert_same(staged, state)
-    # b's old address, now as a view of a: the pattern changed, so a full plan.
-    state = {"a": a, "b": a[:1024]}
-    again = planner.plan(state)
-    same(planner.stats.plans, 2, f"plans (old address reused: {c.data_ptr() == address})")
-    assert_plans_equal(again, layout.plan(state))
-
-
-def _tie(state: dict[str, Any]) -> None:
-    state["low"] = state["embed"].view(-1)[:16]  # was an independent view of another buffer
-
-
-def _untie(state: dict[str, Any]) -> None:
-    state["head"] = state["embed"].clone()
-
-
-def _merge_objects(state: dict[str, Any]) -> None:
-    state["head"] = state["embed"]  # two tensors of one storage become one object twice
-
-
-def _split_object(state: dict[str, Any]) -> None:
-    state["again"] = [state["embed"].detach()]  # one object twice becomes two objects
-
-
-def _resize(state: dict[str, Any]) -> None:
-    state["half"].resize_(4)
-
-
-def _resize_same_shape(state: dict[str, Any]) -> None:
-    # The same shape again, but in new memory (set_ keeps the object, swaps the storage).
-    half = state["half"]
-    half.set_(torch.full((3,), 9, dtype=torch.float16))
-
-
-def _transpose_in_place(state: dict[str, Any]) -> None:
-    state["high"].t_()
-
-
-def _unsqueeze_in_place(state: dict[str, Any]) -> None:
-    state["half"].unsqueeze_(0)
-
-
-def _set_data_other_dtype(state: dict[str, Any]) -> None:
-    state["params"]["w"].data = torch.randn(3, dtype=torch.float64)
-
-
-def _requires_grad(state: dict[str, Any]) -> None:
-    state["half"].requires_grad_(True)
-
-
-def _to_parameter(state: dict[str, Any]) -> None:
-    state["half"] = torch.nn.Parameter(state["half"], requires_grad=False)
-
-
-def _storage_offset(state: dict[str, Any]) -> None:
-    state["low"] = state["low"]._base[1:17] if state["low"]._base is not None else None
-
-
-def _conj(state: dict[str, Any]) -> None:
-    state["complex"] = torch.randn(3, dtype=torch.complex64).conj()
-
-
-def _neg_bit(state: dict[str, Any]) -> None:
-    state["half"] = torch._neg_view(state["half"])
-
-
-def _leaf_to_tensor(state: dict[str, Any]) -> None:
-    state["opt"]["step"] = torch.tensor(10)
-
-
-def _tensor_to_leaf(state: dict[str, Any]) -> None:
-    state["half"] = 3
-
-
-def _container_type(state: dict[str, Any]) -> None:
-    state["opt"] = collections.OrderedDict(state["opt"])
-
-
-def _list_to_tuple(state: dict[str, Any]) -> None:
-    state["again"] = tuple(state["again"])
-
-
-class _Subclass(torch.Tensor):
-    pass
-
-
-def _reorder(state: dict[str, Any]) -> None:
-    state["embed"] = state.pop("embed")
-
-
-CHANGES = {
-    "new key": lambda s: s.update(new=torch.ones(2)),
-    "key removed": lambda s: s.pop("half"),
-    "keys reordered": _reorder,
-    "new key in an OrderedDict": lambda s: s["params"].update(c=torch.ones(1)),
-    "list grows": lambda s: s["again"].append(torch.ones(1)),
-    "shape": lambda s: s.update(half=torch.ones(4, dtype=torch.float16)),
-    "dtype": lambda s: s.update(half=torch.ones(3, dtype=torch.bfloat16)),
-    "stride": lambda s: s.update(wide=torch.randn(2, 5)),
-    "storage offset": _storage_offset,
-    "contiguous becomes gathered": lambda s: s.update(half=torch.ones(6, dtype=torch.float16)[::2]),
-    "tied storage untied": _untie,
-    "independent storages tied": _tie,
-    "two objects become one": _merge_objects,
-    "one object becomes two": _split_object,
-    "in-place resize": _resize,
-    "in-place transpose": _transpose_in_place,
-    "in-place unsqueeze": _unsqueeze_in_place,
-    ".data of another dtype": _set_data_other_dtype,
-    "requires_grad": _requires_grad,
-    "tensor becomes a Parameter": _to_parameter,
-    "lazy conjugate": _conj,
-    "lazy negation": _neg_bit,
-    "leaf becomes a tensor": _leaf_to_tensor,
-    "tensor becomes a leaf": _tensor_to_leaf,
-    "container type": _container_type,
-    "list becomes a tuple": _list_to_tuple,
-    "tensor of an all-tensor dict becomes a subclass": lambda s: s["layer"].update(
-        b=s["layer"]["b"].as_subclass(_Subclass)
-    ),
-    "tensor of an all-tensor dict becomes a leaf": lambda s: s["layer"].update(g=1.0),
-    "two tensors of an all-tensor dict become one": lambda s: s["layer"].update(b=s["layer"]["g"]),
-    "all-tensor dict grows": lambda s: s["layer"].update(z=torch.ones(1)),
-    "meta tensor": lambda s: s.update(half=torch.ones(3, dtype=torch.float16, device="meta")),
-}
-
-
-def test_planning_runs_no_automatic_garbage_collection():
-    # A plan allocates per tensor; the collections that would trigger cost in proportion to every
-    # object of the process, not to the state dict.
-    state = {f"w{i}": torch.ones(2) for i in range(256)}
-    started: list[int] = []
-
-    def note(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            started.append(info["generation"])
-
-    def collections_during(call: Any) -> int:
-        gc.collect()  # counts from zero: a collection every 100 allocations, but in the pause
-        del started[:]
-        call()
-        return len(started)
-
-    planner = layout.Planner()
-    threshold = gc.get_threshold()
-    gc.set_threshold(100)
-    gc.callbacks.append(note)
-    try:
-        # Thousands of allocations each; at most the one young collection they were owed, once
-        # the pause ends.
-        check(collections_during(lambda: layout.plan(state)) <= 1, "collections in plan()")
-        check(collections_during(lambda: planner.plan(state)) <= 1, "collections, full plan")
-        check(collections_during(lambda: planner.plan(state)) <= 1, "collections in a reuse")
-        same(gc.isenabled(), True, "collection re-enabled after planning")
-        unpaused = collections_during(lambda: [[i] for i in range(1000)])
-        check(unpaused > 1, "one collection for 1,000 allocations (the check could not fail)")
-    finally:
-        gc.callbacks.remove(note)
-        gc.set_threshold(*threshold)
-    same(planner.stats.reuses, 1, "reuses")
-
-
-@pytest.mark.parametrize("change", list(CHANGES), ids=list(CHANGES))
-def test_every_change_of_layout_is_planned_in_full(change):
-    state = base_state()
-    planner = layout.Planner()
-    planner.plan(state)
-    CHANGES[change](state)
-    try:
-        want = layout.plan(state)
-    except UnsupportedValueError as exc:  # a change to something unstageable
-        with pytest.raises(UnsupportedValueError) as raised:
-            planner.plan(state)
-        same(str(raised.value), str(exc), "error of a planner")
-        same(planner.stats.reuses, 0, "reuses")
-        return
-    got = planner.plan(state)
-    same((planner.stats.plans, planner.stats.reuses), (2, 0), "plans, reuses")
-    check(planner.stats.last_replan, "no reason given for the full plan")
-    assert_plans_equal(got, want)
-    staged, _ = execute(got)
-    assert_same(staged, state)
-    assert_identity_and_aliasing(staged, state, got)
-    # The new layout is the one reused next.
-    again = planner.plan(state)
-    same(planner.stats.reuses, 1, "reuses of the new layout")
-    assert_plans_equal(again, layout.plan(state))
-
-
-@pytest.mark.parametrize("change", list(CHANGES), ids=list(CHANGES))
-def test_with_deferred_flags_every_change_is_planned_in_full_or_caught_by_the_recheck(change):
-    state = base_state()
-    planner = layout.Planner()
-    planner.plan(state, defer_flags=True)
-    CHANGES[change](state)
-    try:
-        want = layout.plan(state)
-    except UnsupportedValueError:
-        with pytest.raises(UnsupportedValueError):
-            planner.plan(state, defer_flags=True)
-        return
-    got = planner.plan(state, defer_flags=True)
-    if planner.stats.reuses:  # only a flag may differ, and the recheck must say so
-        check(got.recheck is not None, "a reused plan without its recheck")
-        reason = got.recheck()
-        check(reason is not None, "the recheck missed the change")
-        got = planner.replan(state, got, reason)
-        same(planner.stats.last_replan, reason, "reason of the replan")
-    same((planner.stats.plans, planner.stats.reuses), (2, 0), "plans, reuses")
-    assert_plans_equal(got, want)
-    # A full plan replanned takes back no reuse (it was never counted as one).
-    planner.replan(state, got, "asked again")
-    same((planner.stats.plans, planner.stats.reuses), (3, 0), "plans, reuses")
-
-
-def test_a_deferred_recheck_of_an_unchanged_state_dict_passes():
-    state = base_state()
-    planner = layout.Planner()
-    check(
-        planner.plan(state, defer_flags=True).recheck is None, "a full plan has nothing to recheck"
-    )
-    again = planner.plan(state, defer_flags=True)
-    same(planner.stats.reuses, 1, "reuses")
-    same(again.recheck(), None, "recheck")
-    assert_plans_equal(again, layout.plan(state))
-
-
-def test_same_layout_after_a_change_of_storage_is_reused():
-    state = base_state()
-    planner = layout.Planner()
-    planner.plan(state)
-    _resize_same_shape(state)
-    got = planner.plan(state)
-    same(planner.stats.reuses, 1, "reuses")
-    assert_plans_equal(got, layout.plan(state))
-    staged, _ = execute(got)
-    same(staged["half"].tolist(), [9.0, 9.0, 9.0], "bytes of the new storage")
-
-
-def test_equal_but_different_leaves_are_taken_fresh():
-    planner = layout.Planner()
-    planner.plan({"x": 0.0, "t": torch.ones(1), "b": 1})
-    got = planner.plan({"x": -0.0, "t": torch.ones(1), "b": True})
-    same(planner.stats.reuses, 1, "reuses")
-    staged = build(got.manifest.tree, got.sources)
-    same(math.copysign(1.0, staged["x"]), -1.0, "sign of a zero")
-    check(staged["b"] is True, f"{staged['b']!r} instead of True")
-
-
-def test_a_failed_plan_leaves_nothing_to_reuse():
-    planner = layout.Planner()
-    good = {"a": torch.ones(2)}
-    planner.plan(good)
-    with pytest.raises(UnsupportedValueError, match=r"\['a'\]"):
-        planner.plan({"a": torch.ones(2).to_sparse()})
-    planner.plan(good)
-    same((planner.stats.plans, planner.stats.reuses), (2, 0), "plans, reuses")
-
-
-def test_planner_without_reuse_and_forget():
-    state = base_state()
-    planner = layout.Planner(reuse=False)
-    planner.plan(state)
-    planner.plan(state)
-    same((planner.stats.plans, planner.stats.reuses), (2, 0), "plans, reuses without reuse")
-    planner = layout.Planner()
-    planner.plan(state)
-    planner.forget()
-    planner.plan(state)
-    same((planner.stats.plans, planner.stats.reuses), (2, 0), "plans, reuses after forget")
-
-
-def test_the_planner_keeps_no_tensor_alive():
-    planner = layout.Planner()
-    t = torch.randn(16)
-    ref = weakref.ref(t)
-    planner.plan({"t": t, "views": [t[:4]]})
-    del t
-    gc.collect()
-    check(ref() is None, "the planner keeps a planned tensor alive")
-
-
-def test_pickled_values_are_taken_fresh_on_reuse():
-    planner = layout.Planner(pickle_unsupported=True)
-    with quiet():
-        sparse = torch.eye(3).to_sparse()
-        planner.plan({"s": sparse, "t": torch.ones(2)})
-        sparse.mul_(2)
-        got = planner.plan({"s": sparse, "t": torch.ones(2)})
-    same(planner.stats.reuses, 1, "reuses")
-    staged = build(got.manifest.tree, got.sources)
-    check(torch.equal(staged["s"].to_dense(), 2 * torch.eye(3)), "a stale pickled value")
-    # A tensor that travelled pickled and now can be staged: a full plan.
-    planner.plan({"s": torch.eye(3), "t": torch.ones(2)})
-    same(planner.stats.plans, 2, "plans")
-
-
-@settings(
-    max_examples=30,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-@given(first=state_dicts(), second=state_dicts())
-def test_property_a_planner_plans_as_plan_does(first, second):
-    planner = layout.Planner()
-    planner.plan(first)
-    for state in (second, second, first):
-        got = planner.plan(state)
-        assert_plans_equal(got, layout.plan(state))
-        staged, _ = execute(got)
-        assert_same(staged, state)
-
-
-def test_a_key_of_another_type_that_compares_equal_is_planned_in_full():
-    planner = layout.Planner()
-    planner.plan({1: torch.ones(2), "x": 3})
-    got = planner.plan({True: torch.ones(2), "x": 3})  # True == 1, and hashes alike
-    same(planner.stats.reuses, 0, "reuses")
-    staged, _ = execute(got)
-    same([type(key) for key in staged], [bool, str], "the keys' types")
-
-
-def test_containers_of_tensors_seen_once_are_matched_in_one_slice():
-    # Only containers whose children are all tensors appearing nowhere else qualify: "layer" (a
-    # dict) and "params" (an OrderedDict); not "again" (w is also at "embed"), nor the root or
-    # "point" (they hold other values too).
-    planner, _ = plan_again(base_state())
-    template = planner._template
-    runs = template.tensor_runs()
-    matched = sorted(node[1] for node in _containers(template.manifest.tree) if id(node) in runs)
-    same(matched, [("w", "b"), ("w", "b", "g")], "containers matched in one slice")
-
-
-def _containers(node: Any) -> list[Any]:
-    if type(node) is int or node[0] in (LEAF, PICKLED):
-        return []
-    return [node, *(c for child in node[2] for c in _containers(child))]
