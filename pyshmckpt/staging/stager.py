@@ -29,7 +29,7 @@ from ..errors import (
 )
 from ..shm import Arena, Slot, SlotAddress, SlotState
 from ..shm.native import set_copy_threads
-from . import layout
+from . import layout, planner
 from .dtensors import dtensor_type
 from .manifest import Manifest, contiguous_stride, rebuild, tensor_steps
 
@@ -50,8 +50,18 @@ _bases = tuple(dict.fromkeys(b for b in (_CheckpointStager, _AsyncStager) if b i
 class StagedHandle:
     """Where a staged state dict lives: its arena, slot, generation and manifest.
 
-    A handle from `ShmStager.lease` / `stage_leased` (or `lease_staged`) also holds the slot for
-    a write: it is neither freed nor overwritten until `give_back()`.
+    A handle from `ShmStager.handle` only describes the slot. One from `ShmStager.lease` or
+    `ShmStager.stage_leased` (or ``lease_staged``) also holds the slot for a write: it is
+    neither freed nor overwritten until `give_back`, which the holder must call once the writer
+    no longer reads the slot.
+
+    Attributes:
+        arena: the `Arena` the slot belongs to.
+        slot: the `Slot` holding the staged bytes.
+        generation: the number of the stage that filled the slot (a new stage into the same
+            slot has another).
+        manifest: the `Manifest` describing the staged state dict (structure, dtypes, shapes
+            and where each tensor's bytes lie in the slot).
     """
 
     __slots__ = ("arena", "slot", "generation", "manifest", "_stager", "_owned", "_leased")
@@ -71,17 +81,25 @@ class StagedHandle:
 
     @property
     def address(self) -> SlotAddress:
-        """How another process attaches the slot."""
+        """How another process attaches the slot (segment name, size, token, data offset)."""
         return self.slot.address()
 
     def segments(self) -> list[tuple[str, int, bytes]]:
-        """Every live segment of the stager (see `ShmStager.segments`)."""
+        """Every live segment of the stager that staged this state dict.
+
+        Returns:
+            (name, data size in bytes, token) of each, as `ShmStager.segments`.
+        """
         return self._stager.segments()
 
     def give_back(self) -> None:
-        """End the lease: the writer no longer reads the slot. A slot staged for the lease alone
-        is free again; one the caller staged is READY again and frees itself once the caller
-        drops (or releases) its staged state dict. Idempotent."""
+        """End the lease: the writer no longer reads the slot.
+
+        A slot staged for the lease alone (`ShmStager.stage_leased`) is free again; one the
+        caller staged is READY again and frees itself once the caller drops (or releases) its
+        staged state dict. Idempotent, and a no-op for a handle that holds no lease; may be
+        called from any thread.
+        """
         if not self._leased:
             return
         self._leased = False
@@ -89,11 +107,13 @@ class StagedHandle:
 
 
 class ShmStager(*_bases):  # type: ignore[misc]
-    """Stage state dicts into a ring of shared-memory slots.
+    """Stage state dicts into a ring of shared-memory slots (torch's stager protocols).
 
-    ``stage(state_dict)`` copies every tensor (CPU: thread pool, GIL released; CUDA: batched
-    device-to-host copies on a side stream) into a free slot and returns the same structure with
-    CPU tensors that view the slot. It is an ordinary state dict to every consumer: each staged
+    `stage` copies every tensor (CPU: thread pool, GIL released; CUDA: batched device-to-host
+    copies on a side stream) into a free slot and returns the same structure with CPU tensors
+    that view the slot. It implements DCP's ``AsyncStager`` (pass it as
+    ``dcp.async_save(..., async_stager=ShmStager())``) and the ``CheckpointStager`` of torch's
+    ``_experimental`` checkpointer. It is an ordinary state dict to every consumer: each staged
     block (the bytes of one source storage) is a storage of its own, so torch.save writes each
     tensor's bytes once and mixed dtypes are fine; torch's multiprocessing pickler (DCP's process
     executor, torch's CheckpointProcess) sends a whole slot as a single file descriptor
@@ -123,8 +143,17 @@ class ShmStager(*_bases):  # type: ignore[misc]
             keys, tensor dtypes, shapes, strides, devices and storage sharing) reuses its layout
             after a check, instead of being laid out again; ``plan_stats`` counts both.
 
-    A slot stays busy while its staged tensors are referenced in this process or until
-    ``release()`` is called for it.
+    The stager owns the shared memory: a slot stays busy while its staged tensors are
+    referenced in this process or until `release` is called for it; `close` (or the end of a
+    ``with`` block) frees the arenas, and staged tensors still held keep their own mapping of
+    the memory.
+
+    Raises:
+        ConfigError: ``capacity_bytes`` or ``slots`` is not positive, ``slot_timeout`` is
+            negative, ``headroom`` is below 1, or a ``PYSHMCKPT_*`` variable is invalid.
+        ConfigTypeError: ``capacity_bytes`` is not an int, or ``validate`` is not callable.
+        PyshmckptOSError: the slots of ``capacity_bytes`` cannot be created (``/dev/shm`` too
+            small).
     """
 
     def __init__(
@@ -166,7 +195,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
             )
         self._validate = validate
         self._pickle_unsupported = bool(pickle_unsupported)
-        self._planner = layout.Planner(
+        self._planner = planner.Planner(
             pickle_unsupported=self._pickle_unsupported, reuse=bool(reuse_plans)
         )
         self._allow_growth = bool(allow_growth)
@@ -201,21 +230,44 @@ class ShmStager(*_bases):  # type: ignore[misc]
 
     @property
     def closed(self) -> bool:
+        """True once `close` has been called."""
         return self._closed or self._closing
 
     @property
-    def plan_stats(self) -> layout.PlannerStats:
+    def plan_stats(self) -> planner.PlannerStats:
         """Full layouts and reused ones so far (see ``reuse_plans``), and why the last full
         layout was needed."""
         return self._planner.stats
 
     def stage(self, state_dict: Any, **kwargs: Any) -> Any:
-        """Stage `state_dict`; returns the staged copy, or a Future of it with async_staging.
+        """Copy `state_dict` into a free slot; returns the staged copy.
 
-        Raises UnsupportedValueError (a TypeError) naming the key path of a value that cannot be
-        staged, CapacityError when growth is disabled and the state dict does not fit, and
-        SlotsBusyError when no slot frees up within the slot timeout. A failed stage leaves the
-        stager usable. Extra keyword arguments (torch passes some) are accepted and ignored.
+        Blocks until the copies are done, or, with ``async_staging``, only while the state dict
+        is laid out and checked: the copies then run on a background thread, and the caller
+        must not change the source until the Future resolves (DCP's
+        `synchronize_staging`). A stage waits up to the slot timeout for a free slot. A failed
+        stage leaves the stager usable, with nothing staged.
+
+        Args:
+            state_dict: nested dicts, lists and tuples (named tuples and OrderedDicts too) of
+                tensors (CPU or CUDA, DTensors) and other leaves.
+            **kwargs: accepted and ignored (torch passes some).
+
+        Returns:
+            The staged state dict: the same structure, its tensors CPU tensors that view the
+            slot (a snapshot: changing the source afterwards changes nothing in it), the other
+            leaves copied. With ``async_staging``, a Future of it, which fails with the errors
+            below that concern copies and slots.
+
+        Raises:
+            StagerClosedError: the stager is closed.
+            UnsupportedValueError: a value cannot be staged (the message names its key path);
+                raised at once, also with ``async_staging``.
+            CapacityError: the state dict does not fit a slot and ``allow_growth`` is False.
+            SlotsBusyError: no slot became free within the slot timeout.
+            StagingTimeoutError: device-to-host copies did not complete within
+                ``PYSHMCKPT_DEVICE_COPY_TIMEOUT``.
+            PyshmckptOSError: a slot could not be created or enlarged (``/dev/shm`` full).
         """
         self._check_open()
         # Validation first: nothing is staged for bad input.
@@ -228,20 +280,44 @@ class ShmStager(*_bases):  # type: ignore[misc]
         return future
 
     def synchronize_staging(self) -> None:
-        """Wait for the last asynchronous stage to finish (DCP's AsyncStager protocol)."""
+        """Block until the last asynchronous stage finished (DCP's ``AsyncStager`` protocol).
+
+        Raises:
+            PyshmckptError: what that stage failed with (see `stage`).
+        """
         pending = self._pending
         if pending is not None:
             pending.result()
 
     def handle(self, staged: Any) -> StagedHandle | None:
-        """Arena, slot, generation and manifest of a state dict this stager returned, else None."""
+        """Describe where a state dict this stager returned is staged.
+
+        Args:
+            staged: a staged state dict (the object `stage` returned, not a part of it).
+
+        Returns:
+            Its arena, slot, generation and manifest (holding no lease), or None when
+            `staged` is not a state dict this stager staged that is still in its slot.
+        """
         slot = self._slot_of(staged)
         return StagedHandle(self, slot) if slot is not None else None
 
     def lease(self, staged: Any) -> StagedHandle | None:
-        """Hold the slot of `staged` (a state dict this stager returned) for a write until the
-        handle is given back; None when `staged` is not one of this stager's. Raises
-        SlotStateError when it is already leased (being written)."""
+        """Hold the slot of a staged state dict for a write until the handle is given back.
+
+        While leased, the slot is neither freed nor overwritten, even when the caller drops
+        the staged state dict.
+
+        Args:
+            staged: a state dict this stager's `stage` returned.
+
+        Returns:
+            The leased handle (call `StagedHandle.give_back` when the writer is done), or None
+            when `staged` is not one of this stager's.
+
+        Raises:
+            SlotStateError: `staged` is leased already (being written).
+        """
         slot = self._slot_of(staged)
         if slot is None:
             return None
@@ -253,8 +329,26 @@ class ShmStager(*_bases):  # type: ignore[misc]
         return StagedHandle(self, slot, leased=True)
 
     def stage_leased(self, state_dict: Any) -> StagedHandle:
-        """Stage `state_dict` into a slot of its own and lease it: no staged copy is handed out,
-        and giving the handle back frees the slot. Blocking, whatever `async_staging` says."""
+        """Stage `state_dict` into a slot of its own and lease it.
+
+        No staged copy is handed out: the consumer reads the slot through the handle's
+        manifest, and giving the handle back frees the slot. Blocks until the copies are done,
+        whatever ``async_staging`` says.
+
+        Args:
+            state_dict: as for `stage`.
+
+        Returns:
+            The leased handle; the caller must call `StagedHandle.give_back`.
+
+        Raises:
+            StagerClosedError: the stager is closed.
+            UnsupportedValueError: a value cannot be staged.
+            CapacityError: the state dict does not fit a slot and ``allow_growth`` is False.
+            SlotsBusyError: no slot became free within the slot timeout.
+            StagingTimeoutError: device-to-host copies did not complete in time.
+            PyshmckptOSError: a slot could not be created or enlarged.
+        """
         self._check_open()
         slot, _ = self._stage(
             state_dict, self._plan(state_dict, defer_flags=True), None, lease=True
@@ -269,7 +363,11 @@ class ShmStager(*_bases):  # type: ignore[misc]
         return None
 
     def segments(self) -> list[tuple[str, int, bytes]]:
-        """(name, data size, token) of every live slot segment, for a process that attaches them."""
+        """Every live slot segment, for a process that attaches them.
+
+        Returns:
+            (segment name, data size in bytes, token) of each slot of each open arena.
+        """
         return [
             (address.name, address.size, address.token)
             for arena in list(self._arenas)
@@ -280,7 +378,11 @@ class ShmStager(*_bases):  # type: ignore[misc]
     def release(self, staged: Any) -> None:
         """Declare a staged state dict done with: its slot may be overwritten by the next stage.
 
-        Any tensor of it still held afterwards may see newer data. Unknown objects are ignored.
+        Any tensor of it still held afterwards may see newer data. A slot leased for a write
+        stays held until the lease is given back. May be called from any thread.
+
+        Args:
+            staged: a state dict this stager's `stage` returned; other objects are ignored.
         """
         handle = self.handle(staged)
         if handle is not None and handle.slot.state is SlotState.READY:
@@ -290,9 +392,10 @@ class ShmStager(*_bases):  # type: ignore[misc]
     def close(self) -> None:
         """Free the arenas (unpin, unmap, unlink). Idempotent; safe from __del__ and atexit.
 
-        A stage already requested (``async_staging``) finishes first: its Future may have been
-        handed to a writer (torch's AsyncCheckpointer closes its stager before its process).
-        Staged tensors still referenced stay valid: they keep torch's mapping of the memory.
+        Blocks while a stage already requested (``async_staging``) finishes: its Future may
+        have been handed to a writer (torch's AsyncCheckpointer closes its stager before its
+        process). Staged tensors still referenced stay valid: they keep torch's mapping of the
+        memory. A slot leased for a write is freed when its lease ends.
         """
         if self._closed or self._closing:
             return
