@@ -32,7 +32,7 @@ from .errors import (
     os_error,
 )
 from .staging import ShmStager
-from .storage import commit, liveness, tree_codec, writer_spec
+from .storage import commit, liveness, shared_commit, tree_codec, writer_spec
 from .transport import CheckpointProcess, CheckpointProcessConfig, RankInfo, no_init
 
 logger = logging.getLogger(__name__)
@@ -95,27 +95,42 @@ def _check_plain(manifest: Any) -> None:
 
 
 class Checkpointer:
-    """Save state dicts under ``root`` asynchronously; each checkpoint is the directory root/name.
+    """Save state dicts under a root directory asynchronously, each checkpoint a directory.
 
-    ``save()`` returns once the state is staged in shared memory (training may change it right
-    after) and gives a Future that resolves to the committed checkpoint's path once it is durable.
-    Checkpoints appear atomically (temporary name, fsync, rename); ``root/latest`` follows the
-    newest; with ``keep_last`` older ones are deleted after a newer one is committed. Leftover
-    temporaries of a crash are removed when a Checkpointer opens the root.
+    `save` returns once the state is staged in shared memory (training may change it right
+    after) and gives a Future that resolves to the committed checkpoint's path once it is
+    durable; a writer process persists it meanwhile. Checkpoints appear atomically (temporary
+    name, fsync, rename); ``root/latest`` follows the newest; with ``keep_last`` older ones are
+    deleted after a newer one is committed. Leftover temporaries of a crash are removed when a
+    Checkpointer opens the root (on rank 0). Staged saves are finished by the writer process
+    even if the trainer dies first (see ``CheckpointProcessConfig.on_trainer_death``).
+
+    The Checkpointer owns its shared memory (``slots`` slots, sized from the first state dict
+    with headroom unless ``capacity_bytes`` is given, and enlarged when a larger one comes) and
+    its writer process; `close` (or the end of a ``with`` block) finishes the pending saves and
+    frees both.
+
+    DTensors (FSDP2, tensor parallelism) are saved as each rank's local shard plus its placement
+    (mesh shape, placements, global shape, the shard's global offsets) in the rank's manifest;
+    ``pyshmckpt.load(path, into=...)`` reshards them onto any mesh and number of ranks.
 
     Args:
         root: a writable directory, created (with its parents) when missing.
         writer: a name from the storage registry (``pyshmckpt.storage.writer_names()``):
             "safetensors" (default: ``rankN.safetensors`` + ``rankN.json``, read by
-            ``pyshmckpt.load``), "torch" (torch.save, ``checkpoint_N.pt``) or "dcp".
+            ``pyshmckpt.load``), "torch" (torch.save, ``checkpoint_N.pt``) or "dcp" (one rank
+            only).
         slots: shared-memory slots (2: stage the next save while one is written).
-        keep_last: keep only this many committed checkpoints.
-        allow_pickle: let the safetensors writer pickle leaves that are not plain data.
+        keep_last: keep only this many committed checkpoints (None: keep all).
+        allow_pickle: let the safetensors writer pickle leaves that are not plain data (None,
+            bool, int, float, str, bytes and containers of them).
         direct_io: the safetensors writer writes tensor data with O_DIRECT where the filesystem
             allows it (bypassing the page cache), falling back to buffered writes elsewhere.
-        capacity_bytes: bytes per slot, allocated up front (None: sized on first save).
+        capacity_bytes: bytes per slot, allocated up front (None: sized on the first save).
         config: settings of the writer process (timeouts, restarts, what happens to staged saves
-            when the trainer dies): a ``CheckpointProcessConfig``, pyshmckpt's or torch's.
+            when the trainer dies): a ``CheckpointProcessConfig``, pyshmckpt's or torch's. Its
+            ``wait_for_start`` defaults to False here: the first save never waits for the writer
+            process to start.
         rank: this process's place among ranks that write each checkpoint together (None: from
             torch.distributed when it is initialized, else 0). Every rank saves under the same
             name (pass ``name``, or save equally often so the automatic names agree) into a root
@@ -135,16 +150,30 @@ class Checkpointer:
             and destroyed for it, so that it never meets training's collectives). The commit
             itself needs no collective: ranks meet through files on the shared root.
         link_latest: keep the ``root/latest`` link (False: the root holds the checkpoints alone,
-            as frameworks that name their own files expect; `latest()`, ``pyshmckpt.load(root)``
+            as frameworks that name their own files expect; `latest`, ``pyshmckpt.load(root)``
             and ``pyshmckpt inspect`` then take the newest by commit sequence).
         stall_timeout: seconds a save may go without the writer reporting progress before it
             counts as hung (the writer is killed, the save fails with `WriteStalledError`); a slow
             save that keeps moving is never cut short (None: the config's
             ``write_stall_timeout_secs``, 120 s by default).
 
-    DTensors (FSDP2, tensor parallelism) are saved as each rank's local shard plus its placement
-    (mesh shape, placements, global shape, the shard's global offsets) in the rank's manifest;
-    ``pyshmckpt.load(path, into=...)`` reshards them onto any mesh and number of ranks.
+    Attributes:
+        root: the checkpoint root, as given.
+        rank: this process's rank among those that write each checkpoint together.
+        world_size: how many ranks write each checkpoint together.
+
+    Raises:
+        ConfigError: an argument or ``PYSHMCKPT_*`` variable has a value not accepted: a
+            ``keep_last`` or ``slots`` below 1, a ``barrier_timeout``, ``stall_timeout`` or
+            ``capacity_bytes`` not positive, an unknown writer, ``direct_io`` with a writer other
+            than "safetensors", a rank outside the world size, a missing or malformed
+            ``run_id``, an unusable ``process_group``, an invalid ``config`` field.
+        ConfigTypeError: ``rank``, ``world_size`` or ``capacity_bytes`` is not an int, or
+            ``config`` is neither pyshmckpt's nor torch's ``CheckpointProcessConfig``.
+        NotSupportedError: a single-process writer ("dcp") with ``world_size`` above 1.
+        PyshmckptOSError: the root cannot be created, is not a directory
+            (`PathNotADirectoryError`) or not writable (`AccessDeniedError`), or the slots of
+            ``capacity_bytes`` cannot be created (``/dev/shm`` too small).
     """
 
     def __init__(
@@ -243,14 +272,53 @@ class Checkpointer:
     def save(
         self, state_dict: Any, name: str | None = None, *, overwrite: bool = False
     ) -> Future[Path]:
-        """Stage `state_dict` and persist it as root/name in the background.
+        """Stage `state_dict` and persist it as ``root/name`` in the background.
 
-        Returns once staging is complete. The Future resolves to the committed path, or fails
-        (disk full, writer error, ...) with that save's error; the Checkpointer stays usable.
-        Raises at once, before staging, for an unwritable or missing root, a bad or existing
-        name, or leaves that need pickle when it is not allowed. With ``overwrite=True`` an
-        existing checkpoint of that name is replaced atomically once the new one is durable
-        (the name always holds one complete checkpoint); anything else there is never replaced.
+        Blocks while the state is copied into a free slot (and, when every slot still holds a
+        save being written, until one frees up); returns once staging is complete, after which
+        the caller may change or free `state_dict`. The writer process then writes and commits
+        it. A failed save leaves the Checkpointer usable.
+
+        Args:
+            state_dict: nested dicts, lists and tuples of tensors (CPU or CUDA, DTensors) and
+                other leaves (numbers, strings; anything else needs ``allow_pickle``).
+            name: the checkpoint's directory name under the root (not starting with '.', no
+                '/', not "latest"); None: ``step-<n>`` (eight digits), ``n`` counting on from
+                the commit sequence of the newest checkpoint committed when the Checkpointer
+                was made, past names taken.
+            overwrite: replace an existing pyshmckpt checkpoint of that name atomically once the
+                new one is durable (the name always holds one complete checkpoint); anything
+                else of that name is never replaced.
+
+        Returns:
+            A Future that resolves to the committed checkpoint's path once it is durable, or
+            fails with that save's error: `WriterOSError` (an `OSError` in the writer: a full
+            disk; errno EEXIST when a save of that name was committed meanwhile), `WriterError`
+            (the writer raised something else), `WriterDiedError` (the writer process died,
+            or its restarts are spent), `WriteTimeoutError` or `WriteStalledError`, `CommitError`
+            or `CommitTimeoutError` (several ranks: another rank failed or is gone, or the
+            barrier timeout passed), `WriterStartError` (the writer process failed to start
+            while the save waited for it), `CheckpointAbortedError` (``close(abort=True)``).
+            Callbacks added to it while it is pending run on a pyshmckpt background thread:
+            keep them short.
+
+        Raises:
+            ClosedError: the Checkpointer is closed.
+            PathNotFoundError: the root no longer exists.
+            PathNotADirectoryError: the root is not a directory.
+            AccessDeniedError: the root is not writable.
+            ConfigError: `name` is not a valid checkpoint name.
+            PathExistsError: `name` exists and `overwrite` is False, or it exists and is not a
+                pyshmckpt checkpoint.
+            UnsupportedValueError: a value cannot be staged, or a leaf is not plain data while
+                pickle is not allowed (safetensors writer); nothing was staged.
+            SlotsBusyError: no slot became free within the slot timeout
+                (``PYSHMCKPT_SLOT_TIMEOUT``, 60 s).
+            StagingTimeoutError: device-to-host copies did not complete in time.
+            PyshmckptOSError: a slot could not be created or enlarged (``/dev/shm`` full).
+            WriterStartError: the writer process cannot be started (its start failed for a
+                reason another start would not fix); `WriterStartTimeoutError` too when the
+                config sets ``wait_for_start=True``.
         """
         if self._closed:
             raise ClosedError("Checkpointer is closed")
@@ -282,7 +350,7 @@ class Checkpointer:
                 if attempt is not None and not isinstance(exc, (CommitError, WriterError)):
                     # The writer never finished its part (it died, was killed or stopped): the
                     # other ranks stop waiting for it now rather than at the barrier timeout.
-                    commit.abandon(
+                    shared_commit.abandon(
                         self.root, name, attempt, self.rank, self.world_size,
                         f"rank {self.rank}'s write failed: {type(exc).__name__}: {exc}",
                     )  # fmt: skip
@@ -296,16 +364,43 @@ class Checkpointer:
         return result
 
     def wait(self, timeout: float | None = None) -> list[Path]:
-        """Wait for every pending save; returns their paths, raises the first failure."""
+        """Wait for the saves pending at the latest `save` and for that save.
+
+        Args:
+            timeout: seconds to wait for each of those saves in turn (None: no limit).
+
+        Returns:
+            Their committed paths, oldest first.
+
+        Raises:
+            TimeoutError: a save was still pending after `timeout` seconds
+                (``concurrent.futures.TimeoutError``, the builtin `TimeoutError` from Python
+                3.11 on); it goes on.
+            PyshmckptError: the first of those saves that failed, with its error (see the
+                Future of `save`).
+        """
         with self._lock:
             pending = list(self._pending)
         return [future.result(timeout=timeout) for future in pending]
 
     def wait_for_writer(self, timeout: float | None = None) -> None:
-        """Wait until the writer process is ready (bounded by the writer's init timeout, and by
-        `timeout` seconds when given). Saves never need this (they are handed to the writer
-        once it is ready); a job may call it at set-up to keep the writer's start-up out of its
-        first training steps. Raises the writer's start error, or WriterStartTimeoutError."""
+        """Block until the writer process is ready.
+
+        Saves never need this (they are handed to the writer once it is ready); a job may call
+        it at set-up to keep the writer's start-up out of its first training steps. The wait is
+        bounded by the writer's init timeout (``subprocess_init_timeout_secs``), and by
+        `timeout` when given.
+
+        Args:
+            timeout: seconds to wait at most (None: the init timeout alone).
+
+        Raises:
+            ClosedError: the Checkpointer is closed.
+            WriterStartTimeoutError: the writer was not ready within `timeout` (it goes on
+                starting) or within its init timeout.
+            WriterStartError: its init function or writer raised, or it exited while starting.
+            WriterDiedError: it was killed while starting (the next save starts a new one).
+        """
         if self._closed:
             raise ClosedError("Checkpointer is closed")
         started = self._process.process_creation_future
@@ -318,26 +413,65 @@ class Checkpointer:
 
     @property
     def writer_pid(self) -> int | None:
-        """The current writer process's id (None before it is spawned), for monitoring."""
+        """The current writer process's id (None before it is spawned), for monitoring.
+
+        It changes when a writer process that died is replaced.
+        """
         return self._process.pid
 
     def latest(self) -> Path | None:
-        """The newest committed checkpoint (what root/latest points at), or None."""
+        """The newest committed checkpoint.
+
+        Returns:
+            What ``root/latest`` points at (with ``link_latest=False``, the newest committed
+            checkpoint by commit sequence), or None when there is none.
+        """
         return commit.latest(self.root)
 
     def remove(self, name: str) -> Future[None]:
-        """Remove the checkpoint root/name in the writer process, after every save handed over
-        before this call (a pending save of that name is committed, then removed): the training
-        thread never waits, and the removal happens even if the trainer dies first. It vanishes
-        atomically (renamed to a hidden name, then deleted). The Future fails with
-        WriterOSError (errno ENOENT) when nothing of that name exists by then."""
+        """Remove the checkpoint ``root/name`` in the writer process, without blocking.
+
+        The removal runs after every save handed over before this call (a pending save of that
+        name is committed, then removed), and happens even if the trainer dies first. The
+        checkpoint vanishes atomically (renamed to a hidden name, then deleted).
+
+        Args:
+            name: the checkpoint's directory name under the root.
+
+        Returns:
+            A Future that resolves to None once the checkpoint is gone, or fails:
+            `WriterOSError` with errno ENOENT when nothing of that name exists by then, and
+            the failures of a save that concern the writer process (`WriterDiedError`,
+            `WriteTimeoutError`, `CheckpointAbortedError`).
+
+        Raises:
+            ClosedError: the Checkpointer is closed.
+            ConfigError: `name` is not a valid checkpoint name.
+            WriterStartError: the writer process cannot be started.
+            WriterDiedError: the writer process died and its restarts are spent, or its
+                control channel broke (`WriterConnectionError`).
+        """
         if self._closed:
             raise ClosedError("Checkpointer is closed")
         commit.check_name(name)
         return self._process.call(commit.remove_checkpoint, root=str(self.root), name=name)
 
     def close(self, abort: bool = False) -> None:
-        """Finish (or, with abort=True, abandon) pending saves and free everything. Idempotent."""
+        """Finish (or abandon) the pending saves, stop the writer process, free the slots.
+
+        Blocks until the pending saves are committed or failed (each bounded by its write
+        timeout) and the writer has exited. Idempotent; a Checkpointer that is
+        garbage-collected or still open at interpreter exit is closed the same way, its errors
+        logged.
+
+        Args:
+            abort: kill the writer at once instead: pending saves fail with
+                `CheckpointAbortedError`.
+
+        Raises:
+            CleanupError: what could not be cleaned up (a writer process alive after SIGKILL,
+                a segment that could not be removed); everything else was closed.
+        """
         if self._closed:
             return
         self._closed = True
