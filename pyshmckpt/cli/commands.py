@@ -40,7 +40,8 @@ def _checked(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
 
 @_checked
 def _verify(args: argparse.Namespace) -> int:
-    from ..storage.reader import ranks, verify
+    from ..storage.inspection import verify
+    from ..storage.rank_files import ranks
 
     checked = [args.rank] if args.rank is not None else ranks(args.path)
     counts = [verify(args.path, rank=rank) for rank in checked]
@@ -51,7 +52,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 @_checked
 def _inspect(args: argparse.Namespace) -> int:
-    from ..storage.reader import describe, ranks
+    from ..storage.inspection import describe
+    from ..storage.rank_files import ranks
 
     if args.rank is not None:
         _print_rows(describe(args.path, rank=args.rank))

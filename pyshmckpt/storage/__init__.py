@@ -5,7 +5,8 @@ safetensors writer persists straight from the slot (`safetensors_writer`, with t
 `safetensors_header` and the structure as JSON in `tree_codec`); torch's formats are in
 `torch_writers` (with `TorchFileWriter`, which writes one file at the exact path a framework
 chose: not a Checkpointer writer, so not in the registry). `commit` makes a checkpoint directory
-visible only once it is durable (one rank or several); `reader` loads and verifies.
+visible only once it is durable (`shared_commit` for several ranks); `reader` loads, `inspection`
+verifies and describes, both over `rank_files`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import TYPE_CHECKING
 from .._lazy import exports
 
 if TYPE_CHECKING:
-    from .reader import load, verify
+    from .inspection import verify
+    from .reader import load
     from .safetensors_writer import SafetensorsWriter
     from .torch_writers import DcpWriter, TorchFileWriter, TorchSaveWriter
     from .writers import (
@@ -34,7 +36,7 @@ __getattr__, __dir__ = exports(
     __name__,
     {
         "load": "reader",
-        "verify": "reader",
+        "verify": "inspection",
         "SafetensorsWriter": "safetensors_writer",
         "DcpWriter": "torch_writers",
         "TorchFileWriter": "torch_writers",

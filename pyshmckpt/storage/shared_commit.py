@@ -1,17 +1,17 @@
 """A checkpoint directory written by several ranks together (world_size > 1, on a filesystem they
 share), committed once by rank 0 with `commit`'s steps.
 
-Each save is an *attempt* with an id every rank agrees on (a session id shared at start
-plus the save's sequence number), so nothing left by another attempt is ever mistaken for this
-one's. Every rank writes its files into ``root/.tmp-<name>-<attempt>``, fsyncs them and the
-directory, then creates ``.rank<r>.done``. Rank 0 waits (bounded) for every marker, claims them
-by unlinking each one, and commits it as a single rank does (`commit.commit`). A rank that gives up waiting withdraws its marker by
-renaming it: whichever of the claim and the withdrawal comes first decides, atomically, whether
-the attempt can still be committed. Any rank that fails or gives up writes a tombstone
-``root/.failed-<name>-<attempt>`` with its reason: every other rank stops at once with that
-reason, and nothing is committed. The other ranks return once the committed checkpoint's record
-names their attempt. A rank whose processes are all gone (killed, or its node lost) stops its
-heartbeat (`liveness`): rank 0 gives the attempt up once a rank it waits for is gone, and the
+Each save is an *attempt* with an id every rank agrees on (a session id shared at start plus the
+save's sequence number), so nothing left by another attempt is ever mistaken for this one's. Every
+rank writes its files into ``root/.tmp-<name>-<attempt>``, fsyncs them and the directory, then
+creates ``.rank<r>.done``. Rank 0 waits (bounded) for every marker, claims them by unlinking each
+one, and commits it as a single rank does (`commit.commit`). A rank that gives up waiting withdraws
+its marker by renaming it: whichever of the claim and the withdrawal comes first decides,
+atomically, whether the attempt can still be committed. Any rank that fails or gives up writes a
+tombstone ``root/.failed-<name>-<attempt>`` with its reason: every other rank stops at once with
+that reason, and nothing is committed. The other ranks return once the committed checkpoint's
+record names their attempt. A rank whose processes are all gone (killed, or its node lost) stops
+its heartbeat (`liveness`): rank 0 gives the attempt up once a rank it waits for is gone, and the
 others once rank 0 is, within the heartbeat timeout rather than the barrier timeout.
 Only rank 0 removes temporaries: a dead attempt's files once a later attempt is committed (every
 rank has finished with the earlier one by then), and everything left when a root is opened.

@@ -1,5 +1,6 @@
-"""pyshmckpt.load and verify (pyshmckpt/storage/reader.py): what a checkpoint written by the
-safetensors writer reads back as, and that no damage to its files goes unreported or crashes.
+"""pyshmckpt.load and verify (pyshmckpt/storage/reader.py, inspection.py, rank_files.py): what
+a checkpoint written by the safetensors writer reads back as, and that no damage to its files
+goes unreported or crashes.
 
 The checkpoints come from the module's shared Checkpointer (conftest: `shared`, `gpt_checkpoint`);
 corruption tests damage copies of them.
@@ -26,8 +27,8 @@ import pyshmckpt
 from pyshmckpt import CheckpointCorruptError, Checkpointer
 from pyshmckpt.cli import main as cli_main
 from pyshmckpt.shm import native
-from pyshmckpt.staging import manifest as layout
-from pyshmckpt.storage import reader
+from pyshmckpt.staging.manifest import DTYPES
+from pyshmckpt.storage import inspection, rank_files, reader
 
 from helpers import (
     SAVE_TIMEOUT,
@@ -442,7 +443,7 @@ def _every_dtype() -> dict[str, torch.Tensor]:
     """A tensor of random bits for every dtype the manifest knows that torch can hold as plain
     bytes (quantized and sub-byte integer dtypes cannot be made from bytes)."""
     out = {}
-    for i, (name, dtype) in enumerate(layout.DTYPES.items()):
+    for i, (name, dtype) in enumerate(DTYPES.items()):
         if name.startswith(("qint", "quint")) or name[-1] in "1234567" and "int" in name:
             continue
         if dtype == torch.bool:
@@ -598,7 +599,7 @@ def test_an_entry_the_target_does_not_use_is_still_verified(big_checkpoint, tmp_
 def test_a_file_truncated_while_loading_is_reported(big_checkpoint, tmp_path):
     d = shutil.copytree(big_checkpoint["path"], tmp_path / "ckpt")
     st = d / "rank0.safetensors"
-    opened_files = reader._open(d, 0)  # header checked against the whole file
+    opened_files = rank_files.open_rank(d, 0)  # header checked against the whole file
     with opened_files[5]:
         os.truncate(st, st.stat().st_size - 3 * MIB)  # then the file shrinks
         with pytest.raises(CheckpointCorruptError, match="ends inside the entry") as info:
@@ -615,5 +616,5 @@ def test_verify_and_describe_leave_no_map_of_the_file(int_checkpoint: Path) -> N
     assert maps_of_the_file() == 0
     assert pyshmckpt.verify(int_checkpoint) == 2
     assert maps_of_the_file() == 0
-    assert [row["name"] for row in reader.describe(int_checkpoint)] == ["ids", "w"]
+    assert [row["name"] for row in inspection.describe(int_checkpoint)] == ["ids", "w"]
     assert maps_of_the_file() == 0

@@ -1,0 +1,265 @@
+"""A rank's files of a committed checkpoint, opened and checked against what its manifest says:
+the data file's header, every tensor inside its entry, the recorded CRC32C of every entry.
+`reader` loads from them, `inspection` verifies and describes them; neither trusts the files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import IO, Any, NamedTuple
+
+import torch
+
+from ..errors import CheckpointCorruptError, from_os_error
+from ..shm.native import copy_threads, crc32c
+from ..staging.manifest import DTYPES, PARAMETER, REQUIRES_GRAD
+from . import commit
+from .safetensors_header import parse_header
+from .safetensors_writer import FORMAT, file_names
+
+
+class OpenedRank(NamedTuple):
+    """A rank's files, opened: the data file stays open until the caller closes `file`."""
+
+    json_path: Path  # the manifest
+    st_path: Path  # the data file
+    described: dict[str, Any]  # the manifest, parsed
+    header: Any  # the data file's safetensors header
+    mapped: mmap.mmap  # a copy-on-write map of the data file
+    file: IO[bytes]  # the data file, open
+
+
+def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
+    p = Path(path)
+    if p.is_file():
+        return p.parent
+    if p.is_dir() and not (p / file_names(0)[1]).exists():
+        latest = commit.latest(p)  # a checkpoint root: its latest checkpoint
+        if latest is not None:
+            return latest
+    return p
+
+
+def _reach(shape: list[int], stride: list[int], itemsize: int) -> int:
+    """Bytes from element 0 to one past the last element a view can touch."""
+    if any(d == 0 for d in shape):
+        return 0
+    return itemsize * (1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True)))
+
+
+def check_crcs(
+    st_path: Path, view: memoryview, header: Any, recorded: Any, only: set[str] | None = None
+) -> None:
+    """Check the CRC32C of every entry of the file (of the entries in `only`, when given)."""
+    expected = expected_crcs(st_path, header, recorded, only)
+    jobs = []
+    for name, crc in expected.items():
+        entry = header.entries[name]
+        jobs.append((name, header.data_start + entry.begin, header.data_start + entry.end, crc))
+    with ThreadPoolExecutor(max_workers=max(1, copy_threads())) as pool:
+        actual = list(pool.map(lambda job: crc32c(view[job[1] : job[2]]), jobs))
+    for (name, _, _, crc), got in zip(jobs, actual, strict=True):
+        if got != crc:
+            raise CheckpointCorruptError(
+                str(st_path), f"checksum mismatch ({got:#010x} != {crc:#010x})", tensor=name
+            )
+
+
+def expected_crcs(
+    st_path: Path, header: Any, recorded: Any, only: set[str] | None = None
+) -> dict[str, int]:
+    """The recorded CRC32C of every entry of the file (of those in `only`, when given), in the
+    header's order; raises when one is missing on either side."""
+    if not isinstance(recorded, dict):
+        raise CheckpointCorruptError(str(st_path), "the manifest records no checksums")
+    expected = {}
+    for name in header.entries:
+        if only is not None and name not in only:
+            continue
+        crc = recorded.get(name, {}).get("crc32c") if isinstance(recorded.get(name), dict) else None
+        if type(crc) is not int:
+            raise CheckpointCorruptError(str(st_path), "no checksum recorded", tensor=name)
+        expected[name] = crc
+    missing = set(recorded) - set(header.entries)
+    if only is not None:
+        missing &= only
+    if missing:
+        raise CheckpointCorruptError(
+            str(st_path), "entry missing from the file", tensor=sorted(missing)[0]
+        )
+    return expected
+
+
+def tensors_of(
+    st_path: Path,
+    view: memoryview,
+    header: Any,
+    described: Any,
+    *,
+    loaded: dict[str, torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """The described tensors as views of their entries: of `loaded` (entry name -> its bytes in
+    memory) where given, else of the file map `view`."""
+    if not isinstance(described, list):
+        raise CheckpointCorruptError(str(st_path), "the manifest lists no tensors")
+    raws: dict[str, torch.Tensor | None] = dict(loaded or {})
+    bases: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+    out = []
+    for item in described:
+        name = item.get("name") if isinstance(item, dict) else None
+        try:
+            dtype = DTYPES[item["dtype"]]
+            shape = [int(d) for d in item["shape"]]
+            stride = [int(s) for s in item["stride"]]
+            offset = int(item["offset"])
+            flags = int(item.get("flags", 0))
+            entry_name = item["entry"]
+            if entry_name is not None and not isinstance(entry_name, str):
+                raise CheckpointCorruptError(
+                    str(st_path),
+                    "malformed tensor description: entry must be a string or null",
+                    tensor=name,
+                )
+            if flags & REQUIRES_GRAD and not (dtype.is_floating_point or dtype.is_complex):
+                raise CheckpointCorruptError(
+                    str(st_path), f"malformed tensor description: a {item['dtype']} tensor cannot require gradients",
+                    tensor=name,
+                )  # fmt: skip
+        except CheckpointCorruptError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointCorruptError(
+                str(st_path), f"malformed tensor description: {exc}", tensor=name
+            ) from None
+        if (
+            len(shape) != len(stride)
+            or any(d < 0 for d in shape)
+            or any(s < 0 for s in stride)
+            or offset < 0
+        ):
+            raise CheckpointCorruptError(
+                str(st_path), "invalid shape, stride or offset", tensor=name
+            )
+        if entry_name is None:
+            if any(d == 0 for d in shape):
+                out.append(_flagged(torch.empty(shape, dtype=dtype), flags))
+                continue
+            raise CheckpointCorruptError(
+                str(st_path), "tensor with elements but no data", tensor=name
+            )
+        entry = header.entries.get(entry_name)
+        if entry is None:
+            raise CheckpointCorruptError(
+                str(st_path), f"entry {entry_name!r} is not in the file", tensor=name
+            )
+        length = entry.end - entry.begin
+        if offset % dtype.itemsize or offset + _reach(shape, stride, dtype.itemsize) > length:
+            raise CheckpointCorruptError(str(st_path), "tensor lies outside its entry", tensor=name)
+        base = bases.get((entry_name, dtype))
+        if base is None:
+            raw = raws.get(entry_name)
+            if raw is None:
+                start = header.data_start + entry.begin
+                raw = (
+                    torch.frombuffer(view, dtype=torch.uint8, count=length, offset=start)
+                    if length
+                    else None
+                )
+                raws[entry_name] = raw
+            # Every dtype's base views the one storage of the entry, so tensors of different
+            # dtypes over one entry keep sharing it (also when load() moves them to a device).
+            count = length // dtype.itemsize
+            base = (
+                raw[: count * dtype.itemsize].view(dtype)
+                if raw is not None and count
+                else torch.empty(0, dtype=dtype)
+            )
+            bases[(entry_name, dtype)] = base
+        with torch.no_grad():
+            t = base.as_strided(shape, stride, offset // dtype.itemsize)
+        out.append(_flagged(t, flags))
+    return out
+
+
+def _flagged(t: torch.Tensor, flags: int) -> torch.Tensor:
+    if flags & PARAMETER:
+        return torch.nn.Parameter(t, requires_grad=bool(flags & REQUIRES_GRAD))
+    if flags & REQUIRES_GRAD:
+        t.requires_grad_(True)
+    return t
+
+
+def open_rank(path: str | os.PathLike[str], rank: int) -> OpenedRank:
+    """A rank's manifest, data file path, header and copy-on-write map of the data file, and the
+    data file itself, open (the caller closes it)."""
+    directory = checkpoint_dir(path)
+    st_name, json_name = file_names(rank)
+    json_path, st_path = directory / json_name, directory / st_name
+    try:
+        described = json.loads(json_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointCorruptError(str(json_path), f"rank {rank}'s manifest is missing") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointCorruptError(str(json_path), f"unreadable manifest: {exc}") from None
+    if not isinstance(described, dict) or described.get("format") != FORMAT:
+        raise CheckpointCorruptError(str(json_path), "not a pyshmckpt manifest")
+    try:
+        f = st_path.open("rb")
+    except FileNotFoundError:
+        raise CheckpointCorruptError(str(st_path), f"rank {rank}'s data file is missing") from None
+    except OSError as exc:
+        raise from_os_error(exc, f"cannot open {st_path}") from exc
+    try:
+        size = os.fstat(f.fileno()).st_size
+        header = parse_header(str(st_path), f, size)
+        if not size:
+            raise CheckpointCorruptError(str(st_path), "empty file")
+        try:
+            mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        except OSError as exc:
+            raise from_os_error(exc, f"cannot map {st_path}") from exc
+    except BaseException:
+        f.close()
+        raise
+    return OpenedRank(json_path, st_path, described, header, mapped, f)
+
+
+@contextlib.contextmanager
+def mapped_rank(
+    path: str | os.PathLike[str], rank: int
+) -> Iterator[tuple[Path, Any, Any, memoryview]]:
+    """A rank's data file path, manifest, header and a view of the file's map, unmapped at the
+    end (tensors made from the view must be gone by then)."""
+    _, st_path, described, header, mapped, f = open_rank(path, rank)
+    f.close()
+    view = memoryview(mapped)
+    try:
+        yield st_path, described, header, view
+    finally:
+        view.release()
+        mapped.close()
+
+
+def ranks(path: str | os.PathLike[str]) -> list[int]:
+    """The ranks a checkpoint holds files of: every rank of the world size its commit recorded
+    (without a commit record, the ranks whose manifests are present)."""
+    directory = checkpoint_dir(path)
+    record = directory / commit.COMMIT_RECORD
+    try:
+        world = json.loads(record.read_text()).get("world_size", 1)
+    except FileNotFoundError:
+        found = sorted(
+            int(p.name[4:-5]) for p in directory.glob("rank*.json") if p.name[4:-5].isdigit()
+        )
+        return found or [0]
+    except (OSError, ValueError, AttributeError, RecursionError) as exc:
+        raise CheckpointCorruptError(str(record), f"unreadable commit record: {exc}") from None
+    if type(world) is not int or world < 1:
+        raise CheckpointCorruptError(str(record), f"invalid world size {world!r}")
+    return list(range(world))
