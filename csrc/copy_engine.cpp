@@ -81,7 +81,7 @@ void pwritev_all(int fd, std::vector<iovec>& iov, off_t position, const std::str
 // Batches at least this large are shared between the calling thread, writing pieces through the
 // file from the front, and a helper thread filling pieces through the mapping from the back, until
 // they meet. The helper must also zero each page before copying into it, and takes fewer pieces
-// when it gets less of a core (256 MiB on a 2-core VM: 96 ms on one thread, 64-66 ms shared).
+// when it gets less of a core.
 constexpr std::uint64_t kShareBytes = std::uint64_t{32} << 20;
 constexpr std::uint64_t kPieceBytes = std::uint64_t{4} << 20;  // a multiple of any page size
 

@@ -291,16 +291,17 @@ class Checkpointer:
                 else of that name is never replaced.
 
         Returns:
-            A Future that resolves to the committed checkpoint's path once it is durable, or
-            fails with that save's error: `WriterOSError` (an `OSError` in the writer: a full
-            disk; errno EEXIST when a save of that name was committed meanwhile), `WriterError`
-            (the writer raised something else), `WriterDiedError` (the writer process died,
-            or its restarts are spent), `WriteTimeoutError` or `WriteStalledError`, `CommitError`
-            or `CommitTimeoutError` (several ranks: another rank failed or is gone, or the
-            barrier timeout passed), `WriterStartError` (the writer process failed to start
-            while the save waited for it), `CheckpointAbortedError` (``close(abort=True)``).
-            Callbacks added to it while it is pending run on a pyshmckpt background thread:
-            keep them short.
+            A Future that resolves to the committed checkpoint's path once it is durable,
+                or fails with that save's error: `WriterOSError` (an `OSError` in the
+                writer: a full disk; errno EEXIST when a save of that name was committed
+                meanwhile), `WriterError` (the writer raised something else),
+                `WriterDiedError` (the writer process died, or its restarts are spent),
+                `WriteTimeoutError` or `WriteStalledError`, `CommitError` or
+                `CommitTimeoutError` (several ranks: another rank failed or is gone, or the
+                barrier timeout passed), `WriterStartError` (the writer process failed to
+                start while the save waited for it), `CheckpointAbortedError`
+                (``close(abort=True)``). Callbacks added to it while it is pending run on a
+                pyshmckpt background thread: keep them short.
 
         Raises:
             ClosedError: the Checkpointer is closed.
@@ -424,7 +425,7 @@ class Checkpointer:
 
         Returns:
             What ``root/latest`` points at (with ``link_latest=False``, the newest committed
-            checkpoint by commit sequence), or None when there is none.
+                checkpoint by commit sequence), or None when there is none.
         """
         return commit.latest(self.root)
 
@@ -440,9 +441,9 @@ class Checkpointer:
 
         Returns:
             A Future that resolves to None once the checkpoint is gone, or fails:
-            `WriterOSError` with errno ENOENT when nothing of that name exists by then, and
-            the failures of a save that concern the writer process (`WriterDiedError`,
-            `WriteTimeoutError`, `CheckpointAbortedError`).
+                `WriterOSError` with errno ENOENT when nothing of that name exists by then, and
+                the failures of a save that concern the writer process (`WriterDiedError`,
+                `WriteTimeoutError`, `CheckpointAbortedError`).
 
         Raises:
             ClosedError: the Checkpointer is closed.

@@ -14,42 +14,79 @@ from typing import Any
 
 
 class PyshmckptError(Exception):
-    """Base class of every error pyshmckpt raises."""
+    """Base class of every error pyshmckpt raises; derives from `Exception`.
+
+    Catch it to handle any pyshmckpt failure. Each subclass also derives from the builtin a
+    caller would catch for that situation, listed in its own docstring.
+    """
 
 
 class PyshmckptWarning(UserWarning):
-    """Base category of every warning pyshmckpt issues."""
+    """Base category of every warning pyshmckpt issues; derives from `UserWarning`.
+
+    Filter it (``warnings.filterwarnings("ignore", category=PyshmckptWarning)``) to silence all
+    of them.
+    """
 
 
 class ExtensionMissingError(PyshmckptError, ImportError):
-    """The compiled extension pyshmckpt._C is not built (a source tree without a build)."""
+    """Raised by ``import pyshmckpt`` when the compiled extension ``pyshmckpt._C`` is missing
+    (a source tree that was never built); the message says how to build it.
+
+    Derives from `PyshmckptError` and `ImportError`.
+    """
 
 
 class PinningWarning(PyshmckptWarning):
-    """The arena could not be page-locked for CUDA; staging still works, more slowly."""
+    """Issued when an arena cannot be page-locked for CUDA (``cudaHostRegister`` failed, for
+    instance under a low ``ulimit -l``); staging still works, with slower device-to-host copies.
+
+    Derives from `PyshmckptWarning`.
+    """
 
 
 # -- arguments and settings ------------------------------------------------------------------
 
 
 class ConfigError(PyshmckptError, ValueError):
-    """An argument or setting (including a ``PYSHMCKPT_*`` environment variable) has a value
-    pyshmckpt does not accept."""
+    """Raised when an argument or setting (including a ``PYSHMCKPT_*`` environment variable)
+    has a value pyshmckpt does not accept: a negative timeout, an unknown writer name, an
+    invalid checkpoint name. The message names the setting.
+
+    Derives from `PyshmckptError` and `ValueError`.
+    """
 
 
 class ConfigTypeError(PyshmckptError, TypeError):
-    """An argument has the wrong type."""
+    """Raised when an argument has the wrong type (a float where an int is needed, a config
+    object that is not a ``CheckpointProcessConfig``).
+
+    Derives from `PyshmckptError` and `TypeError`.
+    """
 
 
 class NotSupportedError(PyshmckptError, NotImplementedError):
-    """A combination of settings pyshmckpt does not support (the message says what to use)."""
+    """Raised for a combination of settings or a use pyshmckpt does not support (a
+    single-process writer across ranks, a placement that cannot be resharded, a framework
+    setting an adapter does not cover); the message says what to use instead.
+
+    Derives from `PyshmckptError` and `NotImplementedError`.
+    """
 
 
 # -- staging ---------------------------------------------------------------------------------
 
 
 class UnsupportedValueError(PyshmckptError, TypeError):
-    """A tensor or leaf in the state dict cannot be staged; the message names its key path."""
+    """Raised by staging when a tensor or leaf of the state dict cannot be staged (or, where
+    pickle is not allowed, is not plain data); nothing is staged.
+
+    Derives from `PyshmckptError` and `TypeError`.
+
+    Attributes:
+        path: the key path of the value, as in ``state_dict["model"]["w"]``.
+        reason: why it cannot be staged.
+    """
 
     def __init__(self, path: str, reason: str) -> None:
         super().__init__(f"{path}: {reason}")
@@ -61,36 +98,64 @@ class UnsupportedValueError(PyshmckptError, TypeError):
 
 
 class CapacityError(PyshmckptError, RuntimeError):
-    """A state dict does not fit its slot and the arena is not allowed to grow."""
+    """Raised by ``ShmStager.stage`` when a state dict does not fit a slot and the stager was
+    made with ``allow_growth=False``.
+
+    Derives from `PyshmckptError` and `RuntimeError`.
+    """
 
 
 class SlotsBusyError(PyshmckptError, RuntimeError):
-    """No slot became free within the timeout: every slot holds staged data still in use."""
+    """Raised by staging when no slot became free within the slot timeout: every slot holds a
+    staged state dict that is still referenced or still being written.
+
+    Derives from `PyshmckptError` and `RuntimeError`.
+    """
 
 
 class SlotStateError(PyshmckptError, RuntimeError):
-    """An illegal slot transition was requested (a bug in the caller or in pyshmckpt)."""
+    """Raised when a slot is asked for a transition its state machine does not allow, such as
+    leasing a staged state dict whose write is still pending (a bug in the caller or in
+    pyshmckpt).
+
+    Derives from `PyshmckptError` and `RuntimeError`.
+    """
 
 
 class StagerClosedError(PyshmckptError, RuntimeError):
-    """The stager (or arena) was used after close()."""
+    """Raised when a ``ShmStager`` or an ``Arena`` is used after ``close()``.
+
+    Derives from `PyshmckptError` and `RuntimeError`.
+    """
 
 
 class StagingTimeoutError(PyshmckptError, TimeoutError):
-    """Device-to-host copies did not complete within the timeout."""
+    """Raised by staging when device-to-host copies did not complete within
+    ``PYSHMCKPT_DEVICE_COPY_TIMEOUT`` seconds (default 300).
+
+    Derives from `PyshmckptError` and `TimeoutError`.
+    """
 
 
 class ManifestIndexError(PyshmckptError, IndexError):
-    """A tensor index outside a manifest."""
+    """Raised when a ``Manifest`` is indexed with a tensor index outside it.
+
+    Derives from `PyshmckptError` and `IndexError`.
+    """
 
 
 # -- operating system ------------------------------------------------------------------------
 
 
 class PyshmckptOSError(PyshmckptError, OSError):
-    """A system call failed: a segment could not be created or attached, a checkpoint path is
-    missing, exists already or is not writable, the disk is full. ``errno``, ``strerror`` and
-    ``filename`` are set as on `OSError`; `os_error` picks the subclass matching the errno."""
+    """Raised when a system call fails in the calling process: a segment cannot be created or
+    attached (``/dev/shm`` full), a checkpoint path is missing, exists already or is not
+    writable. ``errno``, ``strerror`` and ``filename`` are set as on `OSError`, and the errors
+    of the common errnos are the subclasses below. The same failure in the writer process
+    reaches the trainer as a `WriterOSError`.
+
+    Derives from `PyshmckptError` and `OSError`.
+    """
 
     def __init__(self, *args: Any) -> None:
         # OSError parses (errno, strerror, filename) only in its own __init__.
@@ -98,19 +163,32 @@ class PyshmckptOSError(PyshmckptError, OSError):
 
 
 class PathNotFoundError(PyshmckptOSError, FileNotFoundError):
-    """ENOENT: a file, directory or segment does not exist."""
+    """Raised for ENOENT: a checkpoint, its root or a segment does not exist.
+
+    Derives from `PyshmckptOSError` and `FileNotFoundError`.
+    """
 
 
 class PathExistsError(PyshmckptOSError, FileExistsError):
-    """EEXIST: a checkpoint (or segment) of that name exists already."""
+    """Raised for EEXIST: a checkpoint of that name exists already (and may not be replaced).
+
+    Derives from `PyshmckptOSError` and `FileExistsError`.
+    """
 
 
 class PathNotADirectoryError(PyshmckptOSError, NotADirectoryError):
-    """ENOTDIR: a path that must be a directory is not one."""
+    """Raised for ENOTDIR: a path that must be a directory (a checkpoint root) is not one.
+
+    Derives from `PyshmckptOSError` and `NotADirectoryError`.
+    """
 
 
 class AccessDeniedError(PyshmckptOSError, PermissionError):
-    """EACCES or EPERM: not allowed to read, write or attach."""
+    """Raised for EACCES or EPERM: not allowed to read, write or attach (a read-only checkpoint
+    root, a segment of another user).
+
+    Derives from `PyshmckptOSError` and `PermissionError`.
+    """
 
 
 _OS_ERRORS: dict[int, type[PyshmckptOSError]] = {
@@ -147,20 +225,31 @@ def from_os_error(exc: OSError, context: str) -> PyshmckptOSError:
 
 
 class WriterStartError(PyshmckptError, RuntimeError):
-    """The writer process could not be started: its init function or writer raised (the message
-    carries the child's traceback), or it exited while initializing."""
+    """Raised when the writer process cannot be started: its init function or writer factory
+    raised (the message carries the writer's traceback), or it exited while initializing.
+    Raised by the next ``write()``, or carried by the Futures of writes made while it started.
+
+    Derives from `PyshmckptError` and `RuntimeError`.
+    """
 
 
 class WriterStartTimeoutError(WriterStartError, TimeoutError):
-    """The writer process did not acknowledge its initialization in time."""
+    """Raised when the writer process did not finish initializing within
+    ``subprocess_init_timeout_secs`` (or when ``Checkpointer.wait_for_writer`` ran out of time).
+
+    Derives from `WriterStartError` and `TimeoutError`.
+    """
 
 
 class WriterError(PyshmckptError, RuntimeError):
-    """The user's writer raised in the writer process; the message carries its traceback.
+    """Fails a write (or call) whose writer raised in the writer process; the message carries
+    the writer's traceback. A pyshmckpt error the writer raised (`CommitError`, for one)
+    reaches the trainer as itself instead, and an `OSError` as a `WriterOSError`.
 
-    ``exc_type`` is the qualified name of the exception the writer raised. When that was an
-    `OSError` (a full disk, an unwritable path), the error is a `WriterOSError` with the same
-    ``errno``.
+    Derives from `PyshmckptError` and `RuntimeError`.
+
+    Attributes:
+        exc_type: the qualified name of the exception the writer raised (None when unknown).
     """
 
     def __init__(self, message: str, exc_type: str | None = None) -> None:
@@ -182,7 +271,13 @@ def as_writer_error(failure: BaseException, context: str) -> PyshmckptError:
 
 
 class WriterOSError(WriterError, OSError):
-    """The writer failed with an `OSError`; ``errno`` and ``strerror`` are the writer's."""
+    """Fails a write (or call) whose writer failed with an `OSError` (a full disk, an
+    unwritable path, a checkpoint that exists already); ``errno`` and ``strerror`` are the
+    writer's, so ``except FileExistsError`` does not match it but ``exc.errno == errno.EEXIST``
+    does.
+
+    Derives from `WriterError` and `OSError`.
+    """
 
     def __init__(
         self, message: str, exc_type: str | None, code: int | None, strerror: str | None
@@ -200,42 +295,80 @@ class WriterOSError(WriterError, OSError):
 
 
 class WriterDiedError(PyshmckptError, RuntimeError):
-    """The writer process exited while work was pending; the message says how it exited."""
+    """Fails the pending writes of a writer process that exited (killed, crashed); the message
+    says how it exited. The next write starts a new writer, until ``max_restarts`` is spent;
+    after that, writes fail with this error too.
+
+    Derives from `PyshmckptError` and `RuntimeError`.
+    """
 
 
 class WriterConnectionError(WriterDiedError):
-    """The control channel to the writer process broke (closed from outside, or the writer
-    vanished mid-message). As torch's transport says: "Child process terminated unexpectedly".
-    The writer is stopped; the next write starts a new one."""
+    """Fails the pending writes when the control channel to the writer process broke (closed
+    from outside, or the writer vanished mid-message), as torch's transport reports "Child
+    process terminated unexpectedly". The writer is stopped; the next write starts a new one.
+
+    Derives from `WriterDiedError`.
+    """
 
 
 class WriteTimeoutError(PyshmckptError, TimeoutError):
-    """A write took longer than its write timeout; the writer process was killed first."""
+    """Fails a write that took longer than ``write_timeout_secs``; the writer process was
+    killed first. Adapters also raise it when a wait for pending writes runs out of time.
+
+    Derives from `PyshmckptError` and `TimeoutError`.
+    """
 
 
 class WriteStalledError(WriteTimeoutError):
-    """A write made no progress for the stall timeout (a hung filesystem, a stopped writer);
-    the writer process was killed first."""
+    """Fails a write that made no progress for ``write_stall_timeout_secs`` (a hung filesystem,
+    a stopped writer); the writer process was killed first.
+
+    Derives from `WriteTimeoutError`.
+    """
 
 
 class WriterShutdownTimeoutError(PyshmckptError, TimeoutError):
-    """The writer process was still alive after SIGKILL and the shutdown timeout."""
+    """The writer process was still alive after SIGKILL and the shutdown timeout. Not raised on
+    its own: ``close()`` collects it into a `CleanupError`.
+
+    Derives from `PyshmckptError` and `TimeoutError`.
+    """
 
 
 class ProtocolError(PyshmckptError, RuntimeError):
-    """The writer answered something other than what was asked (wrong id, kind or generation)."""
+    """Fails the pending writes when the writer process answered something other than what was
+    asked (wrong id, kind or generation) or could not map a slot as described; the writer is
+    stopped.
+
+    Derives from `PyshmckptError` and `RuntimeError`.
+    """
 
 
 class CheckpointAbortedError(PyshmckptError, RuntimeError):
-    """The write was abandoned by close(abort=True)."""
+    """Fails the pending writes abandoned by ``close(abort=True)``.
+
+    Derives from `PyshmckptError` and `RuntimeError`.
+    """
 
 
 class ClosedError(PyshmckptError, RuntimeError):
-    """A CheckpointProcess or Checkpointer was used after close()."""
+    """Raised when a ``Checkpointer``, a ``CheckpointProcess`` or a framework adapter is used
+    after ``close()``.
+
+    Derives from `PyshmckptError` and `RuntimeError`.
+    """
 
 
 class CleanupError(PyshmckptError, RuntimeError):
-    """Errors met while closing, collected so that none is lost."""
+    """Raised by ``close()`` for what could not be cleaned up (a writer process alive after
+    SIGKILL, a segment not removed), every error collected so that none is lost.
+
+    Derives from `PyshmckptError` and `RuntimeError`.
+
+    Attributes:
+        errors: the errors met, in order.
+    """
 
     def __init__(self, errors: list[BaseException]) -> None:
         super().__init__("; ".join(f"{type(e).__name__}: {e}" for e in errors))
@@ -249,18 +382,33 @@ class CleanupError(PyshmckptError, RuntimeError):
 
 
 class CommitError(PyshmckptError, RuntimeError):
-    """A checkpoint written by several ranks was not committed: another rank failed or gave up."""
+    """Fails a checkpoint written by several ranks that was not committed: another rank failed,
+    gave up, or its processes are gone. The DeepSpeed adapter also raises it for a tag whose
+    write failed.
+
+    Derives from `PyshmckptError` and `RuntimeError`.
+    """
 
 
 class CommitTimeoutError(CommitError, TimeoutError):
-    """A commit waited past its timeout: a rank for the others (or for rank 0's commit) after
-    the barrier timeout, or a checkpoint engine for a tag's writes."""
+    """Fails a commit that waited past its timeout: a rank for the others (or for rank 0's
+    commit) after the barrier timeout, or the DeepSpeed adapter for a tag's writes after its
+    commit timeout.
+
+    Derives from `CommitError` and `TimeoutError`.
+    """
 
 
 class CheckpointCorruptError(PyshmckptError, ValueError):
-    """A checkpoint file is missing, truncated, inconsistent or fails its checksum.
+    """Raised when loading or verifying finds a checkpoint file missing, truncated,
+    inconsistent or failing its checksum.
 
-    `path` is the file and `tensor` the tensor (or header entry) concerned, when known.
+    Derives from `PyshmckptError` and `ValueError`.
+
+    Attributes:
+        path: the file concerned.
+        reason: what is wrong with it.
+        tensor: the tensor (or header entry) concerned, or None when not known.
     """
 
     def __init__(self, path: str, reason: str, tensor: str | None = None) -> None:
@@ -275,12 +423,25 @@ class CheckpointCorruptError(PyshmckptError, ValueError):
 
 
 class PickleNotAllowedError(PyshmckptError, ValueError):
-    """A checkpoint holds pickled values and the caller did not allow unpickling them."""
+    """Raised when decoding a checkpoint's structure meets pickled values and the caller did
+    not pass ``allow_pickle=True``. `load` reports this case as a `CheckpointCorruptError`
+    carrying the same message.
+
+    Derives from `PyshmckptError` and `ValueError`.
+    """
 
 
 class CheckpointMismatchError(PyshmckptError, ValueError):
-    """``load(into=...)``: the target's structure, shapes or dtypes differ from the checkpoint's."""
+    """Raised by ``load(into=...)`` when the target's structure, shapes or dtypes differ from
+    the checkpoint's (and by the Accelerate adapter when the accelerator holds other objects
+    than were saved).
+
+    Derives from `PyshmckptError` and `ValueError`.
+    """
 
 
 class CheckpointKeyError(CheckpointMismatchError, KeyError):
-    """``load(into=...)``: a key of the target is not in the checkpoint."""
+    """Raised by ``load(into=...)`` when a key of the target is not in the checkpoint.
+
+    Derives from `CheckpointMismatchError` and `KeyError`.
+    """

@@ -58,7 +58,7 @@ from ..errors import (
     os_error,
 )
 from ..storage import commit, load
-from ..storage.reader import ranks
+from ..storage.rank_files import ranks
 from ..storage.safetensors_writer import file_names
 from ..transport import CheckpointProcessConfig
 
@@ -122,6 +122,15 @@ class ShmStateSaver:
         capacity_bytes: passed to the `Checkpointer`.
         config: passed to the `Checkpointer`.
         barrier_timeout: passed to the `Checkpointer`.
+
+    Raises:
+        ConfigTypeError: `accelerator` is not an ``accelerate.Accelerator``.
+        NotSupportedError: the accelerator runs FSDP, DeepSpeed, Megatron-LM or XLA, or
+            ``save_on_each_node`` with several processes.
+        ConfigError: automatic checkpoint naming without a ``project_dir``, or (with
+            automatic naming, where the `Checkpointer` is made here) an option it refuses.
+        PyshmckptOSError: (with automatic naming) ``project_dir/checkpoints`` cannot be
+            created or written.
     """
 
     def __init__(
@@ -171,10 +180,30 @@ class ShmStateSaver:
     def save_state(self, output_dir: str | os.PathLike[str] | None = None) -> Future[Path]:
         """Save the accelerator's state as ``accelerator.save_state(output_dir)`` would.
 
-        Returns once the state is staged; the Future resolves to the checkpoint directory once it
-        is durable, or fails with the write's error. Raises at once, before saving anything, for
-        no output_dir (without automatic naming), an existing checkpoint_<i>, an existing
-        output_dir not written by this class, or an earlier save that failed.
+        Blocks while the state is gathered and staged (Accelerate's small files are written
+        and read back synchronously); the model and optimizer state is then written in the
+        background. Every process must call it together.
+
+        Args:
+            output_dir: the checkpoint directory (ignored with automatic checkpoint naming).
+
+        Returns:
+            A Future that resolves to the checkpoint directory once it is durable, or fails
+                with the write's error (as `Checkpointer.save`'s Future).
+
+        Raises:
+            ClosedError: the saver is closed.
+            ConfigError: no `output_dir` without automatic naming, or its name is not a valid
+                checkpoint name.
+            ConfigTypeError: `output_dir` is not a path.
+            PyshmckptError: an earlier save that failed, not raised yet; nothing is saved.
+            PathExistsError: ``checkpoint_<i>`` exists already, or `output_dir` exists and was
+                not written by this class.
+            UnsupportedValueError: a model or optimizer holds values that are not plain data
+                and ``allow_pickle`` is False, or a value cannot be staged.
+            SlotsBusyError: no slot became free within the slot timeout.
+            PyshmckptOSError: the directory cannot be created or written, or a slot cannot be
+                created (``/dev/shm`` full).
         """
         self._check_open()
         accelerator = self._accelerator
@@ -211,11 +240,28 @@ class ShmStateSaver:
     def load_state(self, input_dir: str | os.PathLike[str] | None = None) -> Path:
         """Restore what `save_state` saved, as ``accelerator.load_state(input_dir)`` would.
 
-        Waits for pending saves first, and raises the first that failed. Without input_dir
-        (automatic naming), loads the newest checkpoint. Returns the directory loaded. Raises
-        PathNotFoundError for a missing one, CheckpointCorruptError for a directory this class
-        did not write, and CheckpointMismatchError when the accelerator holds other objects
-        than were saved.
+        Blocks: waits for pending saves first (each bounded by its write timeout), then loads.
+        The numbers of models, optimizers and custom objects are checked before anything of
+        the accelerator changes. Every process must call it together.
+
+        Args:
+            input_dir: the checkpoint directory; None (with automatic naming): the newest
+                committed checkpoint.
+
+        Returns:
+            The directory loaded.
+
+        Raises:
+            ClosedError: the saver is closed.
+            PyshmckptError: a pending save that failed, not raised yet.
+            ConfigError: no `input_dir` without automatic naming.
+            ConfigTypeError: `input_dir` is not a path.
+            PathNotFoundError: `input_dir` is not a directory, or (automatic naming) there is
+                no committed checkpoint.
+            CheckpointCorruptError: the directory was not written by this class, a file is
+                damaged, or it holds pickled values and ``allow_pickle`` is False.
+            CheckpointMismatchError: the accelerator holds other numbers of models,
+                optimizers or custom objects than were saved.
         """
         self._check_open()
         self.wait()  # each write is bounded by its write timeout
@@ -243,8 +289,15 @@ class ShmStateSaver:
     def wait(self, timeout: float | None = None) -> list[Path]:
         """Wait for the last save and those pending then; returns their paths.
 
-        Raises the first save that failed (not raised yet), and WriteTimeoutError when they are
-        not all durable within `timeout` seconds (they go on).
+        Args:
+            timeout: seconds to wait at most, for all of them together (None: no limit).
+
+        Returns:
+            The checkpoint directories, oldest first.
+
+        Raises:
+            PyshmckptError: the first save that failed, not raised yet.
+            WriteTimeoutError: they were not all durable within `timeout` (they go on).
         """
         with self._lock:
             pending = list(self._pending)
@@ -257,8 +310,17 @@ class ShmStateSaver:
         return [future.result() for future in pending]
 
     def close(self, abort: bool = False) -> None:
-        """Finish (or, with abort=True, abandon) pending saves and stop the writer; raises the
-        first save that failed (not raised yet). Idempotent."""
+        """Finish (or abandon) the pending saves and stop the writer process. Idempotent.
+
+        Blocks until the pending saves are done (each bounded by its write timeout).
+
+        Args:
+            abort: abandon the pending saves instead: the writer is killed at once.
+
+        Raises:
+            PyshmckptError: the first save that failed, not raised yet.
+            CleanupError: the writer process could not be cleaned up.
+        """
         if self._closed:
             return
         self._closed = True

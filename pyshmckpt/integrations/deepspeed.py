@@ -135,6 +135,20 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
             (at close(), on top of the time their pending writes may take).
         writer: the writer built in the writer process for each file (`TorchFileWriter`, or a
             `StateDictWriter` class taking ``rank_info=``).
+
+    Attributes:
+        checkpoint_process: the `CheckpointProcess` whose writer process writes the files
+            (``pid``, ``last_write_seconds``); a writer that died is restarted by the next save.
+        commit_timeout: as given, in seconds.
+        rank: this process's rank (0 without torch.distributed).
+        world_size: the number of ranks (1 without torch.distributed).
+
+    Raises:
+        ConfigError: ``commit_timeout`` is not a positive number, or ``config`` holds a value
+            not accepted.
+        ConfigTypeError: ``config`` is neither pyshmckpt's nor torch's
+            ``CheckpointProcessConfig``.
+        PyshmckptOSError: the slots of ``config.capacity_bytes`` cannot be created.
     """
 
     def __init__(
@@ -190,9 +204,24 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
     # -- DeepSpeed's CheckpointEngine ---------------------------------------------------------
 
     def create(self, info: Any) -> None:
-        """A save of tag ``info.tag`` begins (DeepSpeed calls this on every rank, before any
-        file). Raises `CommitError` (on every rank) for an earlier tag whose write failed, and
-        `NotSupportedError` for a tag that ``latest`` names or that is still being written."""
+        """Begin a save of tag ``info.tag`` (DeepSpeed calls this on every rank, before any file).
+
+        Seals the saves begun before (see `seal`). With several ranks, the ranks agree on
+        whether the tag may be written (a collective call over this engine's gloo group).
+
+        Args:
+            info: DeepSpeed's ``CheckpointCommitInfo`` (``tag``, ``save_dir``,
+                ``save_latest``).
+
+        Raises:
+            ClosedError: the engine is closed.
+            CommitError: an earlier tag's write failed (on some rank), raised on every rank;
+                nothing of this save is started, and the next save works. Also when the ranks
+                could not agree (`CommitTimeoutError` when that timed out).
+            NotSupportedError: ``latest`` names this tag, or it is still being written (on
+                some rank).
+            PyshmckptOSError: ``latest`` of the save directory cannot be read.
+        """
         self._check_open()
         self._beat_in(info.save_dir)
         self.seal()  # an earlier save's, when save_checkpoint was not wrapped (use_pyshmckpt)
@@ -209,10 +238,21 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         self._tags.append(_Tag(info))
 
     def save(self, state_dict: Any, path: str) -> None:
-        """Stage `state_dict` and hand its write to the writer process; returns once staged
-        (waiting, up to ``slot_timeout_secs``, for a slot when all hold files being written).
+        """Stage `state_dict` and hand its write to the writer process; returns once staged.
 
-        A write that fails (here or in the writer) fails its tag on every rank.
+        Blocks while the state is copied into a slot, and, when every slot holds a file being
+        written, until one frees up (up to ``slot_timeout_secs``). A write that fails (in
+        staging or in the writer) does not raise here: it fails its tag on every rank, which
+        the next save raises (see `create`).
+
+        Args:
+            state_dict: what DeepSpeed saves to this file.
+            path: the file's path, written exactly there (atomically) by the writer process.
+
+        Raises:
+            ClosedError: the engine is closed.
+            WriterStartError: the writer process cannot be started (`WriterStartTimeoutError`
+                too when ``config.wait_for_start`` is True).
         """
         self._check_open()
         path = _absolute(path)
@@ -226,8 +266,24 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         self._record(path, future)
 
     def load(self, path: str, map_location: Any = None) -> Any:
-        """``torch.load`` of `path` (as DeepSpeed's TorchCheckpointEngine loads), after this
-        engine's pending write of `path`, if any, is durable (bounded by commit_timeout)."""
+        """Load `path` with ``torch.load``, as DeepSpeed's ``TorchCheckpointEngine`` loads.
+
+        Blocks first until this engine's pending write of `path`, if any, is durable (bounded
+        by ``commit_timeout``). Files other ranks are writing are not waited for: call `wait`
+        on every rank first.
+
+        Args:
+            path: the file's path.
+            map_location: passed to ``torch.load``.
+
+        Returns:
+            What ``torch.load(path, map_location=map_location, weights_only=False)`` returns.
+
+        Raises:
+            CommitTimeoutError: the pending write of `path` did not finish within
+                ``commit_timeout``.
+            CommitError: the pending write of `path` failed.
+        """
         pending = self._writes.get(_absolute(path))
         if pending is not None:
             done, _ = concurrent.futures.wait([pending], timeout=self.commit_timeout)
@@ -241,12 +297,22 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         return torch.load(path, map_location=map_location, weights_only=False)
 
     def is_decoupled(self) -> bool:
-        """True: DeepSpeed commits at a later optimizer step (see `get_commit_info`)."""
+        """Whether DeepSpeed commits at a later optimizer step (see `get_commit_info`).
+
+        Returns:
+            True.
+        """
         return True
 
     def preserves_storage_sharing(self) -> bool:
-        """False: DeepSpeed need not clone tensors before save(). Staging copies each tensor
-        anyway, and only the bytes a tensor reaches, never the rest of a storage it views."""
+        """Whether DeepSpeed must clone tensors before `save`.
+
+        Staging copies each tensor anyway, and only the bytes a tensor reaches, never the rest
+        of a storage it views.
+
+        Returns:
+            False.
+        """
         return False
 
     def get_commit_info(self) -> None:
@@ -254,8 +320,14 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
 
         DeepSpeed calls this at every optimizer step on every rank. While tags are pending, the
         ranks agree (an all-reduce) on how many of the oldest are settled: written durably on
-        every rank, or failed somewhere. Failed ones are kept for the next save to raise
-        (`failure`). Never waits for a write and never raises for one.
+        every rank, or failed somewhere. Failed ones are logged and kept for the next save to
+        raise (`failure`). Never waits for a write and never raises for one.
+
+        Returns:
+            None.
+
+        Raises:
+            CommitError: the ranks could not agree (`CommitTimeoutError` when that timed out).
         """
         if self._closed or not self._tags:
             return None
@@ -274,9 +346,20 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         return None
 
     def commit(self, info: Any) -> bool:
-        """Wait, up to commit_timeout, until this rank's files of `info`'s save are durable:
-        DeepSpeed commits a save of the 16-bit model directly. Raises `CommitTimeoutError`, or
-        `CommitError` when its write failed.
+        """Block until this rank's files of `info`'s save are durable (up to commit_timeout).
+
+        DeepSpeed commits a save of the 16-bit model directly.
+
+        Args:
+            info: DeepSpeed's ``CheckpointCommitInfo`` of a save begun with `create`.
+
+        Returns:
+            True once they are durable.
+
+        Raises:
+            CommitTimeoutError: a file was still being written after ``commit_timeout``.
+            CommitError: a file's write failed.
+            ConfigError: no save of `info` was begun with `create`.
         """
         tag = self._created(info)
         try:
@@ -289,22 +372,33 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         return True
 
     def cleanup(self) -> None:
-        """DeepSpeed's ``engine.destroy()`` calls this: see close()."""
+        """Finish and stop, as `close`; DeepSpeed's ``engine.destroy()`` calls this.
+
+        Raises:
+            CommitError: as `close`.
+            CleanupError: as `close`.
+        """
         self.close()
 
     # -- pyshmckpt's own --------------------------------------------------------------------
 
     @property
     def failure(self) -> CommitError | None:
-        """The error the next save will raise: tags whose write failed (on some rank), as the
-        ranks agreed at an optimizer step; None when there are none."""
+        """The `CommitError` the next save will raise, or None.
+
+        It names the tags whose write failed (on some rank), as the ranks agreed at an
+        optimizer step.
+        """
         return self._commit_error(self._failed) if self._failed else None
 
     def seal(self) -> None:
-        """Every file of the saves begun so far is handed over: ask the writer process to
-        publish each as ``latest`` once it is durable on every rank (rank 0's writer writes it).
-        `use_pyshmckpt` calls this when ``save_checkpoint`` returns; otherwise the next save and
-        close() do. Never waits for a write."""
+        """Ask the writer process to publish the saves begun so far as ``latest``.
+
+        Call once every file of those saves is handed over: each is published once it is
+        durable on every rank (rank 0's writer writes ``latest``). `use_pyshmckpt` calls this
+        when ``save_checkpoint`` returns; otherwise the next save and `close` do. Never waits
+        for a write and never raises: a seal that cannot be requested fails its tag.
+        """
         for tag in self._tags:
             if tag.sealed:
                 continue
@@ -323,10 +417,18 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
                 self._say_failed(tag)
 
     def close(self) -> None:
-        """Finish every pending write, let the writer process publish ``latest`` (the newest
-        tag durable on every rank), and stop it. Raises `CommitError` for tags whose write failed
-        on this rank and were not reported yet. Needs no other rank (``engine.destroy()`` calls
-        it, and so does the interpreter's exit through DeepSpeed's engine). Idempotent."""
+        """Finish every pending write, let the writer process publish ``latest``, and stop it.
+
+        Blocks until the pending writes and seals are done (each write bounded by its write
+        timeout); ``latest`` then names the newest tag durable on every rank. Needs no other
+        rank (``engine.destroy()`` calls it, and so does the interpreter's exit through
+        DeepSpeed's engine). Idempotent.
+
+        Raises:
+            CommitError: tags whose write failed on this rank (or that the ranks agreed
+                failed) and that were not reported yet.
+            CleanupError: the writer process could not be cleaned up.
+        """
         if self._closed:
             return
         try:
@@ -353,8 +455,14 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         ranks it is a collective call: the ranks agree through this engine's group).
 
         Each rank waits up to commit_timeout for its own writes and seals (`seal`: rank 0's
-        publishes ``latest``); raises `CommitTimeoutError` on every rank when some rank's were
-        still pending then. Failures are still DeepSpeed's next step's (or close()'s) to report."""
+        publishes ``latest``). Failures are still DeepSpeed's next step's (or close()'s) to
+        report.
+
+        Raises:
+            CommitTimeoutError: some rank's writes or seals were still pending after
+                ``commit_timeout`` (raised on every rank).
+            CommitError: the ranks could not agree.
+        """
         pending = {id(f): f for f in self._writes.values() if not f.done()}
         pending.update((id(f), f) for tag in self._tags for _, f in tag.writes if not f.done())
         pending.update((id(f), f) for f in self._seals if not f.done())
@@ -512,9 +620,25 @@ def _latest_names(info: Any) -> bool:
 
 
 def use_pyshmckpt(engine: Any, **options: Any) -> ShmCheckpointEngine:
-    """Make DeepSpeed `engine` save and load checkpoints through a new `ShmCheckpointEngine`
-    (``options`` are its keyword arguments); returns it. Call it on every rank right after
-    ``deepspeed.initialize``. A decoupled engine it replaces is cleaned up first."""
+    """Make a DeepSpeed engine save and load checkpoints through a new `ShmCheckpointEngine`.
+
+    Call it on every rank right after ``deepspeed.initialize`` (with several ranks it is a
+    collective call). It also wraps ``engine.save_checkpoint`` so that each save is sealed
+    (`ShmCheckpointEngine.seal`) when it returns. A decoupled checkpoint engine it replaces is
+    cleaned up first.
+
+    Args:
+        engine: the DeepSpeed engine ``deepspeed.initialize`` returned.
+        **options: keyword arguments of `ShmCheckpointEngine`.
+
+    Returns:
+        The new checkpoint engine, now ``engine.checkpoint_engine``.
+
+    Raises:
+        ConfigError: an option holds a value not accepted.
+        ConfigTypeError: ``config`` is of another type.
+        PyshmckptOSError: the slots of ``config.capacity_bytes`` cannot be created.
+    """
     previous = getattr(engine, "checkpoint_engine", None)
     checkpoint_engine = ShmCheckpointEngine(**options)
     if previous is not None and previous.is_decoupled():

@@ -47,10 +47,14 @@ logger = logging.getLogger(__name__)
 class ShmCheckpointIO(CheckpointIO):
     """Lightning CheckpointIO writing pyshmckpt checkpoints in the background.
 
+    Pass it as ``Trainer(plugins=[ShmCheckpointIO()])``. Each checkpoint path Lightning picks
+    becomes a pyshmckpt checkpoint directory of that name, written by a `Checkpointer` per
+    directory of checkpoints.
+
     Args:
         dirpath: the directory checkpoints go to (ModelCheckpoint's ``dirpath``), when known:
-            its writer process starts now, in the background, instead of at the first save,
-            which otherwise waits for it (a few seconds). Other directories work as well.
+            its writer process starts now, in the background, instead of at the first save
+            (whose write then waits for the writer to start). Other directories work as well.
         write_timeout: seconds ``load_checkpoint`` waits for a pending write of its path before
             raising (``teardown`` waits for each write up to the writer's own write timeout,
             ``config.write_timeout_secs``).
@@ -64,6 +68,15 @@ class ShmCheckpointIO(CheckpointIO):
     ``AsyncCheckpointIO`` does) and by ``teardown()``. No need to wrap this in Lightning's
     ``AsyncCheckpointIO``: it is asynchronous already, and the wrapper would clone every tensor
     on the training thread first.
+
+    Raises:
+        ConfigTypeError: ``write_timeout`` is not a number, or ``dirpath`` not a path.
+        NotSupportedError: an option other than those above, a writer that is not a
+            safetensors writer, or a ``dirpath`` that is a URL.
+        ConfigError: an unknown writer, or (with ``dirpath``, on global rank 0) an option
+            value a `Checkpointer` refuses.
+        PyshmckptOSError: (with ``dirpath``, on global rank 0) ``dirpath`` cannot be created or
+            written.
     """
 
     def __init__(
@@ -119,8 +132,31 @@ class ShmCheckpointIO(CheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
-        """Stage `checkpoint` and return; it is written to the directory `path` in the background
-        (an earlier pyshmckpt checkpoint there is replaced atomically once this one is durable)."""
+        """Stage `checkpoint` and return; it is written to the directory `path` in the background.
+
+        Blocks while the state is copied into shared memory. An earlier pyshmckpt checkpoint at
+        `path` is replaced atomically once this one is durable. A write that fails is raised by
+        the next call into this object.
+
+        Args:
+            checkpoint: Lightning's checkpoint dict.
+            path: the checkpoint's path (a local or mounted filesystem; ``file://`` is
+                accepted).
+            storage_options: must be None.
+
+        Raises:
+            NotSupportedError: `storage_options` is given, or `path` is a URL.
+            ConfigTypeError: `path` is not a str or path.
+            PyshmckptError: an earlier write that failed, not raised yet (itself when it is a
+                pyshmckpt error, else as a `WriterError`); this checkpoint is then not saved.
+            ConfigError: the last part of `path` is not a valid checkpoint name (it starts
+                with '.' or is "latest").
+            PathExistsError: `path` exists and is not a pyshmckpt checkpoint.
+            UnsupportedValueError: a value of `checkpoint` cannot be staged.
+            SlotsBusyError: no slot became free within the slot timeout.
+            PyshmckptOSError: the directory of `path` cannot be created or written, or a slot
+                cannot be created (``/dev/shm`` full).
+        """
         if storage_options is not None:
             raise NotSupportedError(
                 f"{type(self).__name__} takes no storage_options (got {storage_options!r})"
@@ -136,13 +172,32 @@ class ShmCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """The checkpoint dict Lightning saved at `path` (waiting for its write if pending).
+        """Load the checkpoint dict Lightning saved at `path`, after its write if pending.
 
         Tensors are loaded into memory (not left mapped to the files, whose disk space a later
-        replacement would otherwise keep in use), on the CPU unless `map_location` names a
-        device (a string or torch.device); pickled leaves are loaded unless `weights_only` is
-        True. A ``.ckpt`` file (Lightning's own format, from a run without this plugin) is read
-        with ``torch.load`` as Lightning would."""
+        replacement would otherwise keep in use). A ``.ckpt`` file (Lightning's own format,
+        from a run without this plugin) is read with ``torch.load`` as Lightning would.
+
+        Args:
+            path: the checkpoint's path.
+            map_location: the device tensors are loaded to (a string or torch.device; None:
+                the CPU).
+            weights_only: True: refuse pickled leaves; otherwise they are unpickled.
+
+        Returns:
+            The checkpoint dict.
+
+        Raises:
+            WriteTimeoutError: the pending write of `path` did not finish within
+                ``write_timeout``.
+            PyshmckptError: a write that failed, not raised yet (as in `save_checkpoint`).
+            NotSupportedError: `map_location` is not a device, or `path` is a URL.
+            ConfigTypeError: `path` is not a str or path, or the checkpoint is not a dict.
+            CheckpointCorruptError: nothing is at `path`, a file is damaged, the checkpoint
+                holds pickled leaves and `weights_only` is True, or ``torch.load`` of a
+                ``.ckpt`` failed.
+            PyshmckptOSError: a file cannot be read.
+        """
         target = _local_path(path)
         self._wait_for(target)
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
@@ -167,10 +222,26 @@ class ShmCheckpointIO(CheckpointIO):
         return state
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove the checkpoint at `path`: at once (renamed away, its files deleted in the
-        background), or, while its write is pending, by the writer process right after that
-        write is committed: the training thread never waits for it, and the removal happens even
-        if the trainer dies first (ModelCheckpoint's top-k stays k)."""
+        """Remove the checkpoint at `path` without waiting for its files to be deleted.
+
+        Done at once (renamed away, its files deleted in the background), or, while its write
+        is pending, by the writer process right after that write is committed: the training
+        thread never waits for it, and the removal happens even if the trainer dies first
+        (ModelCheckpoint's top-k stays k). A checkpoint that does not exist is logged, not
+        raised.
+
+        Args:
+            path: the checkpoint's path.
+
+        Raises:
+            ConfigTypeError: `path` is not a str or path.
+            NotSupportedError: `path` is a URL.
+            PyshmckptOSError: it cannot be removed.
+            WriterDiedError: its write is pending and the writer process died, its restarts
+                spent.
+            PyshmckptError: a write (or removal) that failed, not raised yet (as in
+                `save_checkpoint`).
+        """
         target = _local_path(path)
         with self._lock:
             pending = self._pending.get(target)
@@ -183,8 +254,15 @@ class ShmCheckpointIO(CheckpointIO):
         self._raise_failure()
 
     def teardown(self) -> None:
-        """Finish every pending write (and removal waiting for one) and stop the writer
-        processes (started again by the next save); raises the first failure."""
+        """Finish every pending write (and removal waiting for one) and stop the writers.
+
+        Blocks until they are done, each write bounded by the writer's write timeout. A later
+        save starts a writer process again.
+
+        Raises:
+            CleanupError: a writer process could not be cleaned up.
+            PyshmckptError: the first write (or removal) that failed, not raised yet.
+        """
         with self._lock:
             checkpointers = list(self._checkpointers.values())
             self._checkpointers.clear()

@@ -52,6 +52,22 @@ _COLLECT_EVERY = 0.5
 
 
 class SlotState(enum.Enum):
+    """Where a slot is in its life cycle.
+
+    The allowed moves: FREE to STAGING (a stage takes it); STAGING to READY (staged) or FREE
+    (staging failed); READY to WRITING (leased) or FREE (released, or no longer referenced);
+    WRITING to FREE (written; staged for the lease alone) or READY (written; the caller still
+    holds the staged state dict).
+
+    Attributes:
+        FREE: holds nothing; the next stage may take it.
+        STAGING: being filled by a stage.
+        READY: holds a staged state dict handed out to the caller; freed when released or no
+            longer referenced.
+        WRITING: leased to a writer, which reads it; neither freed nor overwritten until the
+            lease is given back.
+    """
+
     FREE = "free"
     STAGING = "staging"
     READY = "ready"
@@ -75,14 +91,39 @@ def _shift(rows: np.ndarray, offset: int) -> np.ndarray:
 class Slot:
     """One shared-memory segment holding one staged state dict at a time.
 
-    Data starts at byte `offset` of the segment. `storage` is a mapping of the whole segment made
-    by torch's own allocator from the segment's file descriptor; each staged block is a slice of
-    it (a storage of its own that shares its bytes and keeps it alive), which torch's
-    multiprocessing pickler sends as this one descriptor and the slice's bounds (`sharing`).
-    Copies into the slot take rows of (source address, offset from the slot start, nbytes).
+    Made by an `Arena`, which owns it: its state changes only through `Arena.transition` and
+    `Arena.acquire`, under the arena's lock. Data starts at byte `offset` of the segment.
+    `storage` is a mapping of the whole segment made by torch's own allocator from the
+    segment's file descriptor; each staged block is a slice of it (a storage of its own that
+    shares its bytes and keeps it alive), which torch's multiprocessing pickler sends as this one
+    descriptor and the slice's bounds. Copies into the slot take rows of (source address, offset
+    from the slot start, nbytes) as a ``(n, 3)`` uint64 array; the caller keeps every source
+    alive and unchanged until the copy has completed.
 
-    `manifest` and `staged_id` describe the state dict staged here; the stager sets them, and the
-    arena clears them when the slot is freed.
+    Args:
+        arena: the arena it belongs to.
+        index: its place in the arena.
+        capacity: bytes of data it holds.
+        populate: allocate and fault in every page now; False leaves that to a stage
+            (`fill_from_host`, `reserve`) and the arena's background thread.
+
+    Attributes:
+        arena: the arena it belongs to.
+        index: its place in the arena.
+        capacity: bytes of data it holds.
+        state: its `SlotState`.
+        generation: the number of the stage that last took it (-1 before any).
+        manifest: the `Manifest` of the state dict staged here (None when FREE); the stager
+            sets it, the arena clears it when the slot is freed.
+        staged_id: ``id()`` of the staged state dict handed out (None when FREE, or when
+            staged for a lease alone).
+        offset: the byte of the segment where the slot's data starts.
+        storage: torch's mapping of the whole segment.
+        reserved: bytes from the slot's start whose pages are allocated.
+        ready: False while its pages are still being faulted in.
+
+    Raises:
+        PyshmckptOSError: the segment cannot be created (``/dev/shm`` full, a limit reached).
     """
 
     def __init__(self, arena: Arena, index: int, capacity: int, *, populate: bool = True) -> None:
@@ -123,10 +164,18 @@ class Slot:
 
     @property
     def name(self) -> str:
+        """The segment's name in ``/dev/shm``."""
         return str(self.segment.name)
 
     def base(self, dtype: torch.dtype) -> torch.Tensor:
-        """A 1-D tensor of `dtype` over the whole storage; staged tensors are views of these."""
+        """A 1-D tensor over the whole storage; staged tensors are views of these.
+
+        Args:
+            dtype: its dtype.
+
+        Returns:
+            The tensor, made once per dtype and kept by the slot.
+        """
         base = self._bases.get(dtype)
         if base is None:
             count = self.segment.mapped_size // dtype.itemsize
@@ -136,21 +185,36 @@ class Slot:
         return base
 
     def referenced(self) -> bool:
-        """True while any tensor (or storage object) outside the arena views this slot's storage."""
+        """Whether any tensor (or storage object) outside the arena views this slot's storage.
+
+        Returns:
+            True while one does: the staged state dict (or a part of it) is still held.
+        """
         return (
             _torch_private.storage_use_count(self.storage) > self._baseline
             or sys.getrefcount(self.storage) > self._py_baseline
         )
 
     def address(self) -> SlotAddress:
+        """How another process attaches this slot (segment name, size, token, data offset)."""
         return SlotAddress(
             self.name, int(self.segment.size), bytes(self.segment.token), self.offset
         )
 
     def fill_from_host(self, rows: np.ndarray, nbytes: int) -> None:
-        """Write host rows covering the slot's first `nbytes` bytes through its file, for a slot
-        whose pages were never allocated: the kernel allocates each as the write fills it (no
-        zeroing, no page fault), twice as fast as `reserve` and a copy; a full /dev/shm raises."""
+        """Write host memory into a slot whose pages were never allocated, through its file.
+
+        The kernel allocates each page as the write fills it (no zeroing, no page fault), which
+        costs less than `reserve` followed by a copy. Blocks until written (GIL released).
+
+        Args:
+            rows: (source address, offset from the slot start, nbytes) rows covering the slot's
+                first `nbytes` bytes.
+            nbytes: how many bytes from the slot's start the rows cover.
+
+        Raises:
+            PyshmckptOSError: the write failed (``/dev/shm`` full).
+        """
         try:
             mapped = self.segment.write_from_host(_shift(rows, self.offset))
         except OSError as exc:
@@ -161,37 +225,76 @@ class Slot:
         )
 
     def reserve(self, nbytes: int) -> None:
-        """Allocate and map the pages of the slot's first `nbytes` bytes if they are not yet."""
+        """Allocate and map the pages of the slot's first `nbytes` bytes if they are not yet.
+
+        Args:
+            nbytes: bytes from the slot's start.
+
+        Raises:
+            PyshmckptOSError: the pages cannot be allocated (``/dev/shm`` full).
+        """
         if nbytes <= self.reserved:
             return
         self.allocate(0, self.offset + nbytes)
         self.note_reserved(nbytes)
 
     def allocate(self, start: int, nbytes: int) -> None:
-        """Allocate and map the pages of segment bytes [start, start + nbytes), even while other
-        threads write them (see Segment.allocate_pages)."""
+        """Allocate and map the pages of segment bytes [start, start + nbytes).
+
+        Safe while other threads write into them.
+
+        Args:
+            start: the first byte, from the segment's start (not the slot's data).
+            nbytes: how many bytes.
+
+        Raises:
+            PyshmckptOSError: the pages cannot be allocated (``/dev/shm`` full).
+        """
         try:
             self.segment.allocate_pages(start, nbytes)
         except OSError as exc:
             raise from_os_error(exc, f"cannot allocate {nbytes} bytes of slot {self.name}") from exc
 
     def note_reserved(self, nbytes: int) -> None:
-        """The pages of the slot's first `nbytes` bytes are allocated (`reserved` never shrinks:
-        the stage and the arena's background thread both raise it)."""
+        """Record that the pages of the slot's first `nbytes` bytes are allocated.
+
+        `reserved` never shrinks: the stage and the arena's background thread both raise it.
+
+        Args:
+            nbytes: bytes from the slot's start.
+        """
         with self.arena._cond:
             self.reserved = max(self.reserved, nbytes)
 
     def copy_from_host_async(self, rows: np.ndarray) -> HostCopy:
-        """Start copying host memory into the slot on the native thread pool (GIL released)."""
+        """Start copying host memory into the slot on the native thread pool (GIL released).
+
+        Args:
+            rows: (source address, offset from the slot start, nbytes) rows; each source stays
+                alive and unchanged until the copy is waited for.
+
+        Returns:
+            The running copy; its ``wait()`` blocks until it is done and raises its error.
+        """
         return self.segment.copy_from_host_async(_shift(rows, self.offset))
 
     def copy_from_device(self, rows: np.ndarray, stream: int, device: int) -> CopyEvent:
-        """Queue device-to-host copies on `stream`; the slot is not reused before they land."""
+        """Queue device-to-host copies on a CUDA stream; the slot is not reused before they land.
+
+        Args:
+            rows: (device address, offset from the slot start, nbytes) rows.
+            stream: the CUDA stream handle (``torch.cuda.Stream.cuda_stream``).
+            device: the CUDA device index.
+
+        Returns:
+            An event that completes once the copies landed (``wait(timeout)``, ``query()``).
+        """
         event = self.segment.copy_from_device(_shift(rows, self.offset), stream, device)
         self.pending.append(event)
         return event
 
     def copies_pending(self) -> bool:
+        """Whether device-to-host copies queued into this slot have not landed yet."""
         self.pending = [event for event in self.pending if not event.query()]
         return bool(self.pending)
 
@@ -231,7 +334,7 @@ _KEPT_MAPPED: list[Segment] = []
 
 
 class Arena:
-    """`num_slots` slots of `slot_capacity` bytes each.
+    """A ring of `num_slots` shared-memory slots of `slot_capacity` bytes each.
 
     Creating a slot allocates and faults in every page, and page-locks them for CUDA when `pin`
     is True (or None and CUDA is available); this is the expensive step, and it happens once.
@@ -242,6 +345,31 @@ class Arena:
     then maps all of the first slot and makes the others, once the first stage into the first
     slot is done; each joins the ring when it is ready (one it cannot fault in is removed and
     logged; the arena goes on without it).
+
+    The arena owns its segments: `close` unlinks them. Its methods may be called from any
+    thread; slot states change under one lock.
+
+    Args:
+        slot_capacity: bytes per slot, rounded up to ``PYSHMCKPT_SLOT_GRANULARITY`` (2 MiB).
+        num_slots: how many slots.
+        pin: page-lock the slots for CUDA (None: when CUDA is available here). Slots that
+            cannot be pinned stay unpinned: a `PinningWarning` is issued for those made here,
+            and a log record for those made in the background.
+        background: make only the first slot usable at once and prepare the rest on a
+            background thread.
+
+    Attributes:
+        slot_capacity: bytes per slot, after rounding.
+        slots: the slots, in order.
+        closed: True once `close` ran.
+        pin_error: why pinning failed ("" when it did not).
+
+    Raises:
+        ConfigTypeError: `slot_capacity` or `num_slots` is not an int.
+        ConfigError: `slot_capacity` or `num_slots` is not positive, or a ``PYSHMCKPT_*``
+            variable is invalid.
+        PyshmckptOSError: a segment cannot be created (``/dev/shm`` too small, a limit
+            reached); the slots made so far are closed.
     """
 
     def __init__(
@@ -378,13 +506,27 @@ class Arena:
 
     @property
     def name(self) -> str:
+        """The first slot's segment name, which names the arena in messages."""
         return self.slots[0].name if self.slots else "<empty arena>"
 
     @property
     def pinned(self) -> bool:
+        """Whether every slot is page-locked for CUDA."""
         return all(slot.segment.pinned for slot in self.slots)
 
     def transition(self, slot: Slot, state: SlotState) -> None:
+        """Move `slot` to `state` (see `SlotState` for the allowed moves).
+
+        Moving to FREE forgets the slot's manifest. A slot leaving WRITING after `close` is
+        closed now.
+
+        Args:
+            slot: one of this arena's slots.
+            state: where it goes.
+
+        Raises:
+            SlotStateError: the state machine does not allow that move.
+        """
         with self._cond:
             leaving_write = slot.state is SlotState.WRITING and state is not SlotState.WRITING
             self._move(slot, state)
@@ -416,10 +558,22 @@ class Arena:
     def acquire(self, generation: int, timeout: float) -> Slot:
         """Take a free slot into STAGING, waiting up to `timeout` seconds for one to free up.
 
-        A staged state dict that only a reference cycle still holds (torch's AsyncCheckpointer
-        leaves its staged dicts in cycles of Futures and callbacks) keeps its slot until the cycle
-        collector runs: while no slot is free, the collector is run at once and then every
-        `_COLLECT_EVERY` seconds of the wait.
+        A READY slot whose staged state dict is no longer referenced is free. A staged state
+        dict that only a reference cycle still holds (torch's AsyncCheckpointer leaves its
+        staged dicts in cycles of Futures and callbacks) keeps its slot until the cycle
+        collector runs: while no slot is free, the collector is run at once and then every half
+        second of the wait.
+
+        Args:
+            generation: the number of this stage, recorded in the slot.
+            timeout: seconds to wait at most.
+
+        Returns:
+            The slot, now STAGING; the caller moves it on with `transition`.
+
+        Raises:
+            StagerClosedError: the arena is closed.
+            SlotsBusyError: no slot became free within `timeout`.
         """
         deadline = time.monotonic() + timeout
         collected: float | None = None
@@ -452,8 +606,17 @@ class Arena:
             gc.collect()  # outside the lock: finalizers it runs may close or release slots
 
     def find(self, staged_id: int) -> list[Slot]:
-        """Slots (READY or WRITING) whose staged state dict had this id. Ids of dead objects are
-        reused, so the caller must check which candidate really holds its object."""
+        """The slots (READY or WRITING) whose staged state dict had this id.
+
+        Ids of dead objects are reused, so the caller must check which candidate really holds
+        its object.
+
+        Args:
+            staged_id: ``id()`` of a staged state dict.
+
+        Returns:
+            The candidate slots (usually none or one).
+        """
         with self._cond:
             return [
                 slot
@@ -463,16 +626,23 @@ class Arena:
             ]
 
     def idle(self) -> bool:
-        """True when no slot is staging, being written, referenced or receiving copies."""
+        """Whether no slot is staging, being written, referenced or receiving copies.
+
+        Returns:
+            True when the arena may be closed without harm to anyone.
+        """
         with self._cond:
             return all(self._available(slot) for slot in self.slots)
 
     def close(self) -> None:
         """Unpin, unlink and unmap. Staged tensors still referenced keep their own mapping.
 
-        A slot leased to a writer (WRITING) is closed when the lease ends instead: the writer may
-        not have attached its segment yet (torch's AsyncCheckpointer closes its stager before the
-        process that writes what was staged).
+        Blocks until the background thread stops (after the piece it is faulting in) and
+        device copies into the slots have landed (bounded by
+        ``PYSHMCKPT_DEVICE_COPY_TIMEOUT``). A slot leased to a writer (WRITING) is closed when
+        the lease ends instead: the writer may not have attached its segment yet (torch's
+        AsyncCheckpointer closes its stager before the process that writes what was staged).
+        Idempotent.
         """
         with self._cond:
             if self.closed:

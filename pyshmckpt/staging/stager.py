@@ -255,9 +255,9 @@ class ShmStager(*_bases):  # type: ignore[misc]
 
         Returns:
             The staged state dict: the same structure, its tensors CPU tensors that view the
-            slot (a snapshot: changing the source afterwards changes nothing in it), the other
-            leaves copied. With ``async_staging``, a Future of it, which fails with the errors
-            below that concern copies and slots.
+                slot (a snapshot: changing the source afterwards changes nothing in it), the other
+                leaves copied. With ``async_staging``, a Future of it, which fails with the errors
+                below that concern copies and slots.
 
         Raises:
             StagerClosedError: the stager is closed.
@@ -297,7 +297,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
 
         Returns:
             Its arena, slot, generation and manifest (holding no lease), or None when
-            `staged` is not a state dict this stager staged that is still in its slot.
+                `staged` is not a state dict this stager staged that is still in its slot.
         """
         slot = self._slot_of(staged)
         return StagedHandle(self, slot) if slot is not None else None
@@ -313,7 +313,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
 
         Returns:
             The leased handle (call `StagedHandle.give_back` when the writer is done), or None
-            when `staged` is not one of this stager's.
+                when `staged` is not one of this stager's.
 
         Raises:
             SlotStateError: `staged` is leased already (being written).

@@ -38,14 +38,16 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class CheckpointProcessConfig:
-    """torch's two settings (same names and defaults) plus what the shared-memory path needs.
+    """Settings of a `CheckpointProcess`: torch's two (same names and defaults) and pyshmckpt's.
+
+    A dataclass; every field is checked when it is made (also by ``dataclasses.replace``).
 
     Attributes:
         subprocess_init_timeout_secs: seconds to wait for the writer to initialize.
         subprocess_shutdown_timeout_secs: seconds close() waits after TERMINATE, and again after
             SIGTERM, before escalating.
         write_timeout_secs: seconds one write may take before the writer is killed and the write
-            fails with TimeoutError (None: no limit).
+            fails with `WriteTimeoutError` (None: no limit).
         write_stall_timeout_secs: seconds a write of a writer that reports its progress
             (pyshmckpt's own) may go without any before it counts as hung: the writer is killed
             and the write fails with `WriteStalledError` (None: only the write timeout). A slow
@@ -66,6 +68,12 @@ class CheckpointProcessConfig:
             spooled in memory the writer process holds (so they are finished even if the trainer
             dies first) and handed over once it is ready; a start that fails fails them. None:
             the owner decides (CheckpointProcess waits, Checkpointer does not).
+
+    Raises:
+        ConfigError: a timeout is negative (``write_timeout_secs`` and
+            ``write_stall_timeout_secs``: not positive), ``slots`` is below 1, ``max_restarts``
+            below 0, or ``on_trainer_death`` is neither "finish" nor "abandon".
+        ConfigTypeError: ``wait_for_start`` is neither a bool nor None.
     """
 
     subprocess_init_timeout_secs: float = 30
@@ -82,8 +90,19 @@ class CheckpointProcessConfig:
 
     @classmethod
     def of(cls, config: Any) -> CheckpointProcessConfig:
-        """Ours as it is; torch's CheckpointProcessConfig, or any object with some of our fields
-        (the others keep their defaults), converted."""
+        """Convert a config to pyshmckpt's.
+
+        Args:
+            config: pyshmckpt's config (returned as it is), torch's ``CheckpointProcessConfig``,
+                or any object with some of these fields (the others keep their defaults).
+
+        Returns:
+            The config as a `CheckpointProcessConfig`.
+
+        Raises:
+            ConfigTypeError: `config` has none of these fields.
+            ConfigError: a field it has holds a value not accepted.
+        """
         if isinstance(config, cls):
             return config
         given = {
@@ -100,8 +119,20 @@ class CheckpointProcessConfig:
 
     @classmethod
     def starting_in_background(cls, config: Any) -> CheckpointProcessConfig:
-        """`config` (None, ours or torch's, see `of`) with ``wait_for_start=False`` unless it
-        says otherwise: what front doors whose first save must not wait for the writer use."""
+        """`config` with ``wait_for_start=False`` unless it says otherwise.
+
+        What front doors whose first save must not wait for the writer use.
+
+        Args:
+            config: None (the defaults), pyshmckpt's or torch's config (see `of`).
+
+        Returns:
+            The converted config.
+
+        Raises:
+            ConfigTypeError: as `of`.
+            ConfigError: as `of`.
+        """
         converted = cls() if config is None else cls.of(config)
         if converted.wait_for_start is None:
             converted = dataclasses.replace(converted, wait_for_start=False)
@@ -145,7 +176,7 @@ class CheckpointProcessConfig:
 class CheckpointProcess:
     """A writer subprocess fed through shared memory; drop-in for torch's CheckpointProcess.
 
-    ``write(state_dict, path, **kwargs)`` returns a Future that resolves when the writer's
+    `write` returns a Future that resolves when the writer's
     ``write(path=..., state_dict=..., **kwargs)`` returned in the subprocess. A state dict staged
     by a ``ShmStager`` crosses as its manifest only; any other is first staged into an internal
     slot (one copy, before write() returns, so training may change the source right after). A
@@ -154,11 +185,11 @@ class CheckpointProcess:
     Failures: a writer that raises fails that write (``WriterError``, with its traceback); a
     writer that dies fails its writes at once with ``WriterDiedError`` naming the exit code or
     signal, and the next write() restarts it (up to ``max_restarts`` times); a write that overruns
-    ``write_timeout_secs`` fails with TimeoutError after the writer was killed, and so does one
-    that makes no progress for ``write_stall_timeout_secs`` (``WriteStalledError``, for writers
-    that report progress: pyshmckpt's own). A failed write
-    frees its slot. ``close()`` is bounded and idempotent; ``close(abort=True)`` kills the writer
-    at once and abandons pending writes.
+    ``write_timeout_secs`` fails with `WriteTimeoutError` after the writer was killed, and so
+    does one that makes no progress for ``write_stall_timeout_secs`` (`WriteStalledError`, for
+    writers that report progress: pyshmckpt's own). A failed write frees its slot. `close` is
+    bounded and idempotent; ``close(abort=True)`` kills the writer at once and abandons pending
+    writes.
 
     The writer process never runs the training script: where the init function, the writer
     factory and their arguments are importable by module name (torch's ``CheckpointWriter``, a
@@ -168,6 +199,40 @@ class CheckpointProcess:
     ``__main__`` is it started by multiprocessing's spawn, which runs that script again in the
     writer (so the script needs an ``if __name__ == "__main__":`` guard). ``lean_writer`` (not in
     torch's API) forces the choice: True, a fresh interpreter; False, spawn.
+
+    It owns the writer process and an internal `ShmStager`; `close` (or the end of a ``with``
+    block) stops the one and frees the other, as do garbage collection and interpreter exit
+    (their errors then logged).
+
+    Args:
+        rank_info: torch's ``RankInfo`` (``global_rank``, ``global_world_size``), handed to the
+            writer.
+        config: the settings: pyshmckpt's `CheckpointProcessConfig`, torch's, or an object with
+            some of its fields.
+        subprocess_init_fn: called with `subprocess_init_args` in the writer process, before
+            the writer is built.
+        subprocess_init_args: its positional arguments.
+        checkpoint_writer_init_fn: builds the writer in the writer process, called with
+            `checkpoint_writer_init_args` (and ``rank_info=`` unless given); the writer has
+            ``write(path, state_dict, **kwargs)`` or pyshmckpt's
+            ``write_slot(path, slot, manifest, **kwargs)``.
+        checkpoint_writer_init_args: its keyword arguments.
+        lean_writer: True: start the writer as a fresh interpreter; False: by multiprocessing's
+            spawn; None: spawn only when a function or argument is defined in the trainer's
+            ``__main__`` (or does not pickle).
+
+    Attributes:
+        process_creation_future: a Future that resolves once the first writer process is
+            ready, or fails with its start error (as torch's).
+        last_write_seconds: seconds the writer spent in its last successful write, as the
+            writer process reported them (None before one).
+
+    Raises:
+        ConfigTypeError: a function is not callable, `subprocess_init_args` is not a tuple,
+            `checkpoint_writer_init_args` not a dict, or `config` of another type.
+        ConfigError: `config` holds a value not accepted, or a ``PYSHMCKPT_*`` variable is
+            invalid.
+        PyshmckptOSError: the internal slots of ``capacity_bytes`` cannot be created.
     """
 
     def __init__(
@@ -238,8 +303,11 @@ class CheckpointProcess:
 
     @property
     def process(self) -> WriterProcesses:
-        """torch's handle: ``process.processes[0]`` is the current writer process (pid,
-        ``is_alive()``, ``exitcode``, ``kill()``); ``process.join(timeout)`` is True once it exited."""
+        """torch's handle of the current writer process.
+
+        ``process.processes[0]`` is the process (``pid``, ``is_alive()``, ``exitcode``,
+        ``kill()``); ``process.join(timeout)`` is True once it exited.
+        """
         return self._process_handle
 
     @property
@@ -249,7 +317,8 @@ class CheckpointProcess:
 
     @property
     def pid(self) -> int | None:
-        """The current writer process id (None before it is spawned)."""
+        """The current writer process id (None before it is spawned); it changes when a writer
+        process that died is replaced."""
         return self._writer.pid
 
     @property
@@ -260,11 +329,38 @@ class CheckpointProcess:
     def write(self, state_dict: Any, path: Any, **kwargs: Any) -> Future[None]:
         """Persist `state_dict` (or the result of a Future of one) at `path` in the writer.
 
-        As torch's: a writer that failed to start raises here (after waiting for it, bounded by
-        the init timeout; with ``wait_for_start=False`` only once its start has failed, and
-        writes made while it was starting fail their Futures); every other error of the write
-        (staging, a dead writer, the writer's own) fails the returned Future. A closed
-        CheckpointProcess raises ClosedError.
+        A state dict staged by a `ShmStager` crosses as its manifest; any other is first copied
+        into an internal slot, before this returns (blocking; the caller may change the source
+        right after). A Future of a state dict is awaited in the background (bounded by
+        ``write_timeout_secs``). A writer process that died is restarted first (within
+        ``max_restarts``). As torch's, a writer that failed to start raises here: after
+        waiting for its start (bounded by the init timeout) unless ``wait_for_start=False``,
+        and then only once its start has failed.
+
+        Args:
+            state_dict: a state dict (staged by a `ShmStager` or not), or a Future of one.
+            path: where the writer writes it (handed to the writer as it is).
+            **kwargs: passed to the writer's ``write`` (they must pickle).
+
+        Returns:
+            A Future that resolves to None once the writer's ``write`` returned, or fails
+                with: what staging into the internal slot raised (`UnsupportedValueError`,
+                `SlotsBusyError`, `StagingTimeoutError`, `PyshmckptOSError`), `SlotStateError`
+                (`state_dict` is being written by an earlier write), `WriterError` or
+                `WriterOSError` (the writer raised; a pyshmckpt error it raised, such as
+                `CommitError`, as itself), `WriterDiedError` (it died; or it died and its restarts
+                are spent), `WriteTimeoutError` or `WriteStalledError`, `ProtocolError`,
+                `WriterStartError` (its start failed while the write waited for it, with
+                ``wait_for_start=False``), `CheckpointAbortedError` (``close(abort=True)``), or
+                what the Future of a state dict failed with (`WriteTimeoutError` when it did not
+                resolve within ``write_timeout_secs``).
+
+        Raises:
+            ClosedError: the CheckpointProcess is closed.
+            WriterStartError: the writer process cannot be started (its init function or
+                writer raised, or it exited while starting).
+            WriterStartTimeoutError: with ``wait_for_start`` True (the default here), it did
+                not initialize within ``subprocess_init_timeout_secs``.
         """
         self._check_open()
         self._check_started()
@@ -292,12 +388,30 @@ class CheckpointProcess:
             return failed
 
     def call(self, method: str | Callable[..., Any], **kwargs: Any) -> Future[Any]:
-        """Run ``writer.method(**kwargs)`` (a method name) or ``method(**kwargs)`` (a function
-        the writer process imports by module and name) in the writer process, after every write
-        handed over before it (not in torch's API). Like a write, it is served even when the
-        trainer dies first (``on_trainer_death="finish"``) and bounded by the write timeout; the
-        Future resolves to what it returned (it must pickle), or fails with the error it raised
-        (as a write's errors are given). A closed CheckpointProcess raises ClosedError.
+        """Run a function or a method of the writer in the writer process (not in torch's API).
+
+        It runs after every write handed over before it. Like a write, it is served even when
+        the trainer dies first (``on_trainer_death="finish"``) and bounded by the write
+        timeout. Does not block (beyond a writer start, as `write`).
+
+        Args:
+            method: the name of a method of the writer, run as ``writer.method(**kwargs)``, or
+                a function the writer process imports by module and name, run as
+                ``method(**kwargs)``.
+            **kwargs: its keyword arguments (they must pickle).
+
+        Returns:
+            A Future that resolves to what it returned (it must pickle), or fails with the
+                error it raised, given as a write's are (`WriterError`, `WriterOSError`, a
+                pyshmckpt error as itself), or with the failures of the writer process a write
+                meets (`WriterDiedError`, `WriteTimeoutError`, `CheckpointAbortedError`).
+
+        Raises:
+            ClosedError: the CheckpointProcess is closed.
+            WriterStartError: the writer process cannot be started (`WriterStartTimeoutError`
+                as for `write`).
+            WriterDiedError: the writer process died and its restarts are spent, or its
+                control channel broke (`WriterConnectionError`).
         """
         self._check_open()
         self._check_started()
@@ -305,7 +419,16 @@ class CheckpointProcess:
         return self._submit(lambda writer: writer.submit_call(method, kwargs, timeout))
 
     async def write_async(self, state_dict: Any, path: Any, **kwargs: Any) -> None:
-        """``await`` form of write(); staging a plain state dict runs off the event loop."""
+        """``await`` form of `write`; staging a plain state dict runs off the event loop.
+
+        Args:
+            state_dict: as for `write`.
+            path: as for `write`.
+            **kwargs: as for `write`.
+
+        Raises:
+            PyshmckptError: what `write` raises, or what its Future fails with.
+        """
         loop = asyncio.get_running_loop()
         future = await loop.run_in_executor(None, lambda: self.write(state_dict, path, **kwargs))
         await asyncio.wrap_future(future)
@@ -313,13 +436,18 @@ class CheckpointProcess:
     def close(self, abort: bool = False) -> None:
         """Finish every pending write, shut the writer down and free the shared memory.
 
-        Each pending write is bounded by its write timeout, then TERMINATE, join, SIGTERM,
-        join, SIGKILL, each bounded by the shutdown timeout (an escalation is logged as a
-        warning and fails any write it cut short). abort=True is the host-fault path: pending
-        writes fail with CheckpointAbortedError and the writer is killed at once. Returns
-        normally once the writer is gone and the memory freed; raises CleanupError only for what
-        could not be cleaned up (a process alive after SIGKILL, a segment not removed), and
-        never from the garbage collector or at exit. Idempotent.
+        Blocks: each pending write is bounded by its write timeout, then TERMINATE, join,
+        SIGTERM, join, SIGKILL, each bounded by the shutdown timeout (an escalation is logged as
+        a warning and fails any write it cut short). Returns once the writer is gone and the
+        memory freed. Never raises from the garbage collector or at exit. Idempotent.
+
+        Args:
+            abort: the host-fault path: pending writes fail with `CheckpointAbortedError` and
+                the writer is killed at once.
+
+        Raises:
+            CleanupError: what could not be cleaned up (a process alive after SIGKILL, a
+                segment not removed); everything else was closed.
         """
         if self._closed:
             return

@@ -136,9 +136,9 @@ def launch(args: tuple[Any, ...], *, spool_fd: int) -> tuple[InterpreterProcess,
         str(spool_fd),
         str(exit_w),
     ]
-    # numpy's OpenBLAS starts a thread per core at import, 70-80 ms of CPU that the writer (which
-    # does no linear algebra) would take from a first save staging on the same cores; a setting
-    # of the user's own is kept.
+    # numpy's OpenBLAS starts a thread per core at import, CPU time that the writer (which does
+    # no linear algebra) would take from a first save staging on the same cores; a setting of the
+    # user's own is kept.
     env = {"OPENBLAS_NUM_THREADS": "1", **os.environ}
     try:
         popen = subprocess.Popen(
