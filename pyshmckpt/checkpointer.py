@@ -16,6 +16,7 @@ import os
 import re
 import secrets
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 from pathlib import Path
@@ -28,6 +29,7 @@ from .errors import (
     ConfigTypeError,
     WriterError,
     WriterStartTimeoutError,
+    WriteTimeoutError,
     from_os_error,
     os_error,
 )
@@ -225,14 +227,6 @@ class Checkpointer:
             commit.clean_leftovers(self.root)  # other ranks' temporaries may be in progress
         self._run_id = _run_id(run_id, self.world_size, process_group)
         self._attempts = itertools.count(1)
-        # The other ranks' writers see this rank alive while its trainer runs (see `liveness`).
-        self._heartbeat = (
-            liveness.Heartbeat(
-                liveness.beat_path(self.root, self._run_id, self.rank), remove_at_exit=False
-            )
-            if self.world_size > 1
-            else None
-        )
         plain_only = spec.needs_plain_leaves and not self._allow_pickle
         # The first save never waits for the writer to start.
         base = CheckpointProcessConfig.starting_in_background(config)
@@ -243,6 +237,14 @@ class Checkpointer:
         # trainer's __main__: the default one then never loads torch (small, quick to start).
         self._process = CheckpointProcess(
             RankInfo(self.rank, self.world_size), base, no_init, (), spec.factory, writer_args
+        )
+        # The other ranks' writers see this rank alive while its trainer runs (see `liveness`).
+        self._heartbeat = (
+            liveness.Heartbeat(
+                liveness.beat_path(self.root, self._run_id, self.rank), remove_at_exit=False
+            )
+            if self.world_size > 1
+            else None
         )
         try:
             self._stager = ShmStager(
@@ -368,21 +370,29 @@ class Checkpointer:
         """Wait for the saves pending at the latest `save` and for that save.
 
         Args:
-            timeout: seconds to wait for each of those saves in turn (None: no limit).
+            timeout: seconds to wait for all of those saves together (None: no limit).
 
         Returns:
             Their committed paths, oldest first.
 
         Raises:
-            TimeoutError: a save was still pending after `timeout` seconds
-                (``concurrent.futures.TimeoutError``, the builtin `TimeoutError` from Python
-                3.11 on); it goes on.
+            WriteTimeoutError: a save was still pending after `timeout` seconds; it goes on.
             PyshmckptError: the first of those saves that failed, with its error (see the
                 Future of `save`).
         """
         with self._lock:
             pending = list(self._pending)
-        return [future.result(timeout=timeout) for future in pending]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        paths = []
+        for future in pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                paths.append(future.result(timeout=left))
+            except concurrent.futures.TimeoutError:
+                raise WriteTimeoutError(
+                    f"{len(pending) - len(paths)} save(s) still pending after {timeout:g} s"
+                ) from None
+        return paths
 
     def wait_for_writer(self, timeout: float | None = None) -> None:
         """Block until the writer process is ready.

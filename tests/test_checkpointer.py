@@ -671,6 +671,34 @@ def test_a_save_whose_writer_is_stopped_fails_at_the_stall_timeout_and_the_next_
 
 
 @pytest.mark.timeout(120)
+def test_wait_bounds_all_pending_saves_together_and_raises_a_write_timeout(tmp_path):
+    with opened(tmp_path, stall_timeout=60.0, slots=4) as ck:
+        ck.wait_for_writer(SAVE_TIMEOUT)
+        stopped = ck.writer_pid
+        assert stopped is not None
+        os.kill(stopped, signal.SIGSTOP)  # the saves below stay pending
+        try:
+            futures = [ck.save({"w": torch.ones(100)}, name=f"s{i}") for i in range(3)]
+            started = time.monotonic()
+            with pytest.raises(pyshmckpt.WriteTimeoutError, match="still pending after 1 s"):
+                ck.wait(timeout=1.0)
+            elapsed = time.monotonic() - started
+            # One bound for the three saves, not one per save (generous for a busy machine).
+            assert 1.0 <= elapsed < 2.9, elapsed
+            assert not any(f.done() for f in futures)
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+        assert ck.wait(timeout=SAVE_TIMEOUT) == [tmp_path / f"s{i}" for i in range(3)]
+
+
+def test_a_rejected_config_leaves_no_heartbeat_on_the_root(tmp_path):
+    with pytest.raises(pyshmckpt.ConfigError):
+        pyshmckpt.Checkpointer(tmp_path, rank=0, world_size=2, run_id="run1", stall_timeout=-1.0)
+    assert hidden(tmp_path) == []
+    assert not list(tmp_path.glob(".alive-*"))
+
+
+@pytest.mark.timeout(120)
 def test_a_writer_stopped_while_starting_is_restarted_and_the_next_save_lands(tmp_path):
     with opened(tmp_path, config=bounded_config(subprocess_init_timeout_secs=3)) as ck:
         stopped = ck.writer_pid

@@ -151,7 +151,8 @@ class ShmStager(*_bases):  # type: ignore[misc]
     Raises:
         ConfigError: ``capacity_bytes`` or ``slots`` is not positive, ``slot_timeout`` is
             negative, ``headroom`` is below 1, or a ``PYSHMCKPT_*`` variable is invalid.
-        ConfigTypeError: ``capacity_bytes`` is not an int, or ``validate`` is not callable.
+        ConfigTypeError: ``capacity_bytes`` is not an int, ``slot_timeout`` or ``headroom`` is
+            not a number, or ``validate`` is not callable.
         PyshmckptOSError: the slots of ``capacity_bytes`` cannot be created (``/dev/shm`` too
             small).
     """
@@ -183,10 +184,12 @@ class ShmStager(*_bases):  # type: ignore[misc]
         self._slots = knobs.slots() if slots is None else slots
         if not isinstance(self._slots, int) or isinstance(self._slots, bool) or self._slots < 1:
             raise ConfigError(f"slots must be a positive int, not {slots!r}")
-        self._slot_timeout = knobs.slot_timeout() if slot_timeout is None else float(slot_timeout)
+        self._slot_timeout = (
+            knobs.slot_timeout() if slot_timeout is None else _number("slot_timeout", slot_timeout)
+        )
         if self._slot_timeout < 0:
             raise ConfigError(f"slot_timeout must be >= 0, not {slot_timeout}")
-        self._headroom = knobs.headroom() if headroom is None else float(headroom)
+        self._headroom = knobs.headroom() if headroom is None else _number("headroom", headroom)
         if self._headroom < 1.0:
             raise ConfigError(f"headroom must be >= 1.0, not {headroom}")
         if validate is not None and not callable(validate):
@@ -704,3 +707,10 @@ class _SideStreams:
                 stream = torch.cuda.Stream(device=device)
                 self._streams[device] = stream
             return stream
+
+
+def _number(name: str, value: Any) -> float:
+    """`value` as a float; ConfigTypeError unless it is an int or a float (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigTypeError(f"{name} must be a number, not {value!r}")
+    return float(value)
