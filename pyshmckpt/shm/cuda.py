@@ -8,11 +8,19 @@ from . import native
 
 
 def cuda_compiled() -> bool:
-    """True when the extension was built with the CUDA path."""
+    """Whether the extension was built with the CUDA path.
+
+    Returns:
+        True when device-to-host staging is compiled in. Never raises.
+    """
     return native.cuda_compiled()
 
 
 def cuda_available() -> bool:
-    """True when device-to-host staging and pinning can run here: the CUDA path is compiled in, a
-    driver and at least one device are present, and torch sees CUDA too. Never raises."""
+    """Whether device-to-host staging and pinning can run here.
+
+    Returns:
+        True when the CUDA path is compiled in, a driver and at least one device are present,
+        and torch sees CUDA too. Never raises.
+    """
     return cuda_compiled() and native.cuda_device_count() > 0 and torch.cuda.is_available()

@@ -27,6 +27,10 @@ _HEADER = struct.Struct("<16sIIQ16sqQ")
 
 @dataclass(frozen=True)
 class SegmentInfo:
+    """One pyshmckpt segment in ``/dev/shm``: its name, its owner process (pid and start time in
+    clock ticks since boot), its size in bytes, and whether it is stale (its owner is gone) and
+    why."""
+
     name: str
     owner_pid: int
     owner_start_ticks: int
@@ -94,7 +98,22 @@ def list_segments(prefix: str | None = None) -> list[SegmentInfo]:
 def collect_stale_segments(
     prefix: str | None = None, *, dry_run: bool = False
 ) -> list[SegmentInfo]:
-    """Unlink our segments whose owner is gone; returns what was (or, dry run, would be) removed."""
+    """Unlink this user's pyshmckpt segments whose owner process is gone (a crash, a SIGKILL, a
+    lost node's leftovers after a reboot of the container).
+
+    A segment's name records its owner's pid and start time, so a live process's segments (and
+    those of a process that reused a dead one's pid) are never touched. `pyshmckpt gc` runs this.
+
+    Args:
+        prefix: segment name prefix (None: ``PYSHMCKPT_SEGMENT_PREFIX``, default "pyshmckpt").
+        dry_run: only report what would be removed.
+
+    Returns:
+        A `SegmentInfo` per segment removed (or, with `dry_run`, that would be).
+
+    Raises:
+        ConfigError: ``PYSHMCKPT_SEGMENT_PREFIX`` contains "/".
+    """
     removed = []
     for info in list_segments(prefix):
         if not info.stale:

@@ -134,7 +134,20 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class TensorEntry:
-    """One distinct tensor: where its element 0 lies in the slot and how to view it."""
+    """One distinct tensor of a `Manifest`: where its element 0 lies in the slot and how to view
+    it (`Manifest.entry` and `Manifest.entries` make them from the manifest's columns).
+
+    Attributes:
+        path: key path of its first occurrence in the state dict.
+        dtype: torch dtype name, e.g. "bfloat16".
+        shape: its shape.
+        stride: its stride, in elements.
+        offset: bytes from the slot start to element 0 of the view.
+        nbytes: numel times the element size.
+        block: index into `Manifest.blocks`; -1 for a tensor without elements.
+        parameter: restored as a `torch.nn.Parameter`.
+        requires_grad: restored with ``requires_grad=True``.
+    """
 
     path: tuple[Any, ...]  # key path of its first occurrence
     dtype: str  # torch dtype name, e.g. "bfloat16"
@@ -153,11 +166,20 @@ REQUIRES_GRAD = 2
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Manifest:
-    """Everything needed to rebuild a staged state dict from its slot's bytes.
+    """Everything needed to rebuild a staged state dict from its slot's bytes; what crosses to the
+    writer process with each save (`ShmStager.handle` gives a staged state dict's).
 
     Per-tensor data is stored column-wise in numpy arrays (tensor i is row i), so that a manifest
-    of thousands of tensors pickles in well under a millisecond. ``entry(i)`` gives one row as a
-    TensorEntry. Offsets are bytes from the slot start.
+    of thousands of tensors pickles quickly; ``entry(i)`` gives one row as a `TensorEntry`.
+    Offsets are bytes from the slot start. ``len(manifest)`` is the number of distinct tensors.
+
+    Attributes:
+        tree: the structure: `Container` and `Leaf` nodes, the int i where tensor i goes.
+        dtypes: the dtype names the `dtype` column indexes.
+        size: bytes of the slot in use (the end of the last block).
+        blocks: (m, 2) int64 array: offset in the slot and bytes of each staged storage block.
+        sharding: which tensors are DTensors' local shards, with their placements (None: no
+            DTensor).
     """
 
     tree: Any  # `Container` and `Leaf` nodes; the int i where tensor i goes

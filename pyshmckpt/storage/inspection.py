@@ -14,9 +14,19 @@ from .rank_files import check_crcs, mapped_rank, tensors_of
 
 
 def verify(path: str | os.PathLike[str], rank: int = 0) -> int:
-    """Check every checksum and that every tensor lies inside the file (nothing is unpickled).
+    """Check a checkpoint without loading it: every checksum, every tensor inside its file
+    entry, and the structure (pickled parts are checked for presence, never unpickled).
 
-    Returns the number of tensors; raises CheckpointCorruptError.
+    Args:
+        path: a checkpoint directory, a file in it, or a checkpoint root (its newest).
+        rank: whose files to check.
+
+    Returns:
+        The number of tensors in the rank's file.
+
+    Raises:
+        CheckpointCorruptError: a file is missing, damaged or does not match its manifest.
+        PyshmckptOSError: a file exists but cannot be opened or mapped.
     """
     with mapped_rank(path, rank) as (st_path, described, header, view):
         check_crcs(st_path, view, header, described.get("entries"))
@@ -35,8 +45,20 @@ def verify(path: str | os.PathLike[str], rank: int = 0) -> int:
 
 
 def describe(path: str | os.PathLike[str], rank: int = 0) -> list[dict[str, Any]]:
-    """One row per tensor: name, dtype, shape, bytes, the file entry holding it, and for a
-    DTensor's local shard its `ShardInfo` (else None)."""
+    """What a rank's file holds, one row per tensor (the CLI's `describe`).
+
+    Args:
+        path: a checkpoint directory, a file in it, or a checkpoint root (its newest).
+        rank: whose file to describe.
+
+    Returns:
+        Per tensor a dict: name, dtype, shape, nbytes, the file entry holding it, and for a
+        DTensor's local shard its `ShardInfo` (else None) under "dtensor".
+
+    Raises:
+        CheckpointCorruptError: a file is missing or a description is malformed.
+        PyshmckptOSError: a file exists but cannot be opened or mapped.
+    """
     with mapped_rank(path, rank) as (st_path, described, header, view):
         tensors_of(st_path, view, header, described.get("tensors"))  # validates every description
     return [

@@ -42,34 +42,48 @@ def load(
 ) -> Any:
     """Load a checkpoint written by pyshmckpt's safetensors writer.
 
-    `path` is a checkpoint directory (or a checkpoint root: its `latest`). Returns the nested
-    state dict with container types and tied-storage aliases restored. By default each file
-    entry is read into memory of its own once (views of one storage still share it), by the
-    native thread pool with large parallel reads, each entry's CRC32C computed from its bytes as
-    they land (the default for a CPU `map_location`, ``mmap=None``). With ``mmap=True`` (the
-    default for another device, whose tensors are copied there from the map, so that the host
-    holds no second copy) CPU tensors are instead zero-copy copy-on-write maps of the
-    file (pages read when used, after the checksum pass reads them once when `verify`; the
-    file's disk space stays in use while they live, also after the checkpoint is deleted).
+    Returns the nested state dict with container types and tied-storage aliases restored.
+    Nothing in the files is trusted: every CRC32C is checked (when `verify`), every tensor must
+    lie inside its file entry, and pickled values are only loaded with ``allow_pickle=True``.
+
+    By default (``mmap=None`` with a CPU `map_location`) each file entry is read once into memory
+    of its own (views of one storage still share it) by the native thread pool, each entry's
+    checksum computed from its bytes as they land. With ``mmap=True`` (the default for another
+    device, so that the host holds no second copy) CPU tensors are zero-copy copy-on-write maps
+    of the file: pages are read when used, and the file's disk space stays in use while they
+    live, also after the checkpoint is deleted.
+
     With `into` (a state dict of the same structure), the values are copied into its tensors in
     place (any device) and `into` is returned: a contiguous CPU tensor of the saved dtype that
-    owns its whole storage is read straight from the file into its memory (one copy, checksum
-    from the landed bytes), others are copied from a map of the file. Every entry is checked
-    when `verify`, also those the target does not use; with `into`, a corrupt entry is found
-    once its bytes are read, so the target may be partly overwritten when that raises.
-    `verify` checks every CRC32C. Pickled values are only loaded with allow_pickle=True.
-    Anything wrong with the files raises CheckpointCorruptError naming the file and tensor.
+    owns its whole storage is read straight from the file into its memory, others are copied
+    from a map of the file. Its leaves that are neither tensors nor containers (a learning rate,
+    a step count) take the checkpoint's values. A corrupt entry or a mismatch is found once its
+    bytes are read, so the target may be partly overwritten when that raises.
 
     Sharded checkpoints (DTensors saved on several ranks): without `into`, the tensors of rank
     `rank`'s file are its local shards, as plain tensors. With `into`, each DTensor of the target
     (any mesh, any number of ranks) gets its local shard filled from whichever saved shards
     overlap it, and a plain tensor the whole global tensor; only the file entries holding those
-    bytes are read, and their checksums verified. Plain tensors and other leaves come from rank
-    `rank`'s file.
+    bytes are read, and their checksums verified. Other leaves come from rank `rank`'s file.
 
-    With `into`, the target keeps its structure: its tensors are filled in place, and its leaves
-    that are neither tensors nor containers (a learning rate, a step count) take the
-    checkpoint's values.
+    Args:
+        path: a checkpoint directory, a file in it, or a checkpoint root (its `latest`, or the
+            newest committed checkpoint).
+        map_location: the device the tensors are placed on (None: the CPU).
+        verify: check the CRC32C of every file entry, also those the target does not use.
+        allow_pickle: load values that were stored pickled (trusted sources only).
+        rank: whose files to read (and, resharding, whose shards `into` holds).
+        into: a state dict to fill in place instead of building a new one.
+        mmap: map the file instead of reading it into memory (None: by `map_location`).
+
+    Returns:
+        The state dict, or `into` once filled.
+
+    Raises:
+        CheckpointCorruptError: a file is missing, damaged, or does not match its manifest
+            (naming the file and tensor), or it holds pickled values without `allow_pickle`.
+        CheckpointMismatchError: `into` differs from the checkpoint in structure, shape or dtype.
+        PyshmckptOSError: a file exists but cannot be opened or mapped.
     """
     opened = open_rank(path, rank)
     with opened.file:
