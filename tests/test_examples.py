@@ -20,7 +20,8 @@ import pyshmckpt
 
 from helpers import REPO_ROOT, SHM, assert_same_tree, child_env, free_port, wait_until
 
-EXAMPLES = REPO_ROOT / "examples"
+# The checkout's examples (pyshmckpt itself may be installed elsewhere: REPO_ROOT is its parent).
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 RUN_TIMEOUT = 180  # seconds one run may take (5-30 s here)
 COMMIT_TIMEOUT = 60  # seconds the writer of a killed run may take to commit its last save
 
