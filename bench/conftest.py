@@ -168,7 +168,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     if pyshmckpt.cuda_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device and the CUDA build of pyshmckpt")
+    skip = pytest.mark.skip(
+        reason="needs a CUDA device (pyshmckpt cuda-info says why CUDA is not usable here)"
+    )
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -13,6 +13,7 @@
 #include "copy_engine.h"
 #include "errors.h"
 #include "file_reader.h"
+#include "cuda_driver.h"
 #include "pinning.h"
 #include "segment.h"
 #include "thread_pool.h"
@@ -98,7 +99,8 @@ PYBIND11_MODULE(_C, m) {
       py::object err = py::module_::import("builtins").attr("OSError")(e.err(), message, e.name());
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err.ptr())), err.ptr());
     } catch (const CudaError& e) {
-      PyErr_SetString(PyExc_RuntimeError, e.what());
+      py::object type = py::module_::import("pyshmckpt.errors").attr("CudaError");
+      PyErr_SetString(type.ptr(), e.what());
     } catch (const ArgumentError& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
     }
@@ -210,8 +212,11 @@ mapping, writable and zero-copy; the mapping stays valid while any exported view
            "Unpin, unlink if created here, and unmap once no view is exported; idempotent.")
       .def("pin", &Segment::pin, py::arg("chunk_bytes") = std::size_t{1} << 30,
            py::call_guard<py::gil_scoped_release>(),
-           "cudaHostRegister the mapping in chunks; False (see pin_error) when it cannot be pinned.")
+           "cuMemHostRegister the mapping in chunks; False (see pin_error) when it cannot be pinned.")
       .def("unpin", &Segment::unpin, py::call_guard<py::gil_scoped_release>())
+      .def("keep_mapped", &Segment::keep_mapped,
+           "Device copies may still land: never unpin or unmap the mapping from now on.")
+      .def_property_readonly("kept_mapped", &Segment::kept_mapped)
       .def(
           "copy_from_host",
           [](Segment& s, const U64Array& entries) { run_host_entries(s, entries, copy_host); },
@@ -310,9 +315,23 @@ until the event completes; the caller keeps the owning tensors alive until then.
   heap->as_buffer.bf_getbuffer = segment_getbuffer;
   heap->as_buffer.bf_releasebuffer = segment_releasebuffer;
 
-  m.def("cuda_compiled", &cuda_compiled, "True when the CUDA path was compiled in.");
   m.def("cuda_device_count", &cuda_device_count,
-        "CUDA devices visible to the runtime; 0 without CUDA, a driver or a device. Never raises.");
+        "CUDA devices the driver sees; 0 without a usable driver or a device. Never raises.");
+  m.def(
+      "cuda_driver_status",
+      []() {
+        const CudaDriverStatus& status = cuda_driver().status;
+        py::dict out;
+        out["usable"] = status.usable;
+        out["path"] = status.path;
+        out["reason"] = status.reason;
+        out["version"] = status.version;
+        out["devices"] = status.devices;
+        out["missing"] = status.missing;
+        return out;
+      },
+      "What loading the CUDA driver found (it is loaded on the first call): usable, path, reason, "
+      "version, devices, missing. Never raises.");
   m.def(
       "is_pinned",
       [](std::uintptr_t address) { return is_pinned_pointer(reinterpret_cast<const void*>(address)); },

@@ -16,14 +16,12 @@
 #include <thread>
 #include <vector>
 
+#include "cuda_driver.h"
 #include "errors.h"
 #include "page_populate.h"
 #include "stream_copy.h"
 #include "thread_pool.h"
 
-#ifdef PYSHMCKPT_WITH_CUDA
-#include <cuda_runtime_api.h>
-#endif
 
 namespace pyshmckpt {
 
@@ -331,56 +329,24 @@ void HostCopy::wait() {
   if (error_) std::rethrow_exception(error_);
 }
 
-#ifdef PYSHMCKPT_WITH_CUDA
-
-namespace {
-
-[[noreturn]] void throw_cuda(const char* call, cudaError_t rc) {
-  cudaGetLastError();
-  throw CudaError(std::string(call) + " failed: " + cudaGetErrorName(rc) + ": " +
-                  cudaGetErrorString(rc));
-}
-
-// Restores the caller's current device when it goes out of scope.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    cudaError_t rc = cudaGetDevice(&previous_);
-    if (rc != cudaSuccess) throw_cuda("cudaGetDevice", rc);
-    if (previous_ != device) {
-      rc = cudaSetDevice(device);
-      if (rc != cudaSuccess) throw_cuda("cudaSetDevice", rc);
-    }
-    changed_ = previous_ != device;
-  }
-  ~DeviceGuard() {
-    if (changed_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-  bool changed_ = false;
-};
-
-}  // namespace
-
 CopyEvent::~CopyEvent() {
-  if (event_ != nullptr) {
-    cudaEventDestroy(static_cast<cudaEvent_t>(event_));
-    cudaGetLastError();
+  if (event_ == nullptr) return;
+  const CudaDriver& driver = cuda_driver();
+  try {
+    CudaContextScope scope(device_);
+    driver.cuEventDestroy(static_cast<CUevent>(event_));
+  } catch (const CudaError&) {
+    // The context is gone or unusable: the event goes with it.
   }
 }
 
 bool CopyEvent::query() {
-  cudaError_t rc = cudaEventQuery(static_cast<cudaEvent_t>(event_));
-  if (rc == cudaSuccess) return true;
-  if (rc == cudaErrorNotReady) {
-    cudaGetLastError();
-    return false;
-  }
-  throw_cuda("cudaEventQuery", rc);
+  const CudaDriver& driver = require_cuda_driver("querying a device copy");
+  CudaContextScope scope(device_);
+  CUresult rc = driver.cuEventQuery(static_cast<CUevent>(event_));
+  if (rc == kCudaSuccess) return true;
+  if (rc == kCudaErrorNotReady) return false;
+  throw CudaError(describe_cuda_error("cuEventQuery", rc));
 }
 
 bool CopyEvent::wait(double timeout_s) {
@@ -399,11 +365,18 @@ std::unique_ptr<CopyEvent> copy_device_async(Segment& segment, const CopyEntry* 
                                              std::size_t count, std::uintptr_t stream, int device) {
   if (segment.closed()) throw ArgumentError("segment '" + segment.name() + "' is closed");
   check_destinations(segment, entries, count);
-  DeviceGuard guard(device);
-  auto s = reinterpret_cast<cudaStream_t>(stream);
+  const CudaDriver& driver = require_cuda_driver("copying from a CUDA device");
+  CudaContextScope scope(device);
+  auto s = reinterpret_cast<CUstream>(stream);
   // A single copy must not span two separately registered chunks.
   const std::uint64_t chunk = segment.pinned() ? segment.pin_chunk_bytes() : 0;
   std::uint8_t* base = segment.base();
+  std::size_t queued = 0;
+  // Once a copy is queued, a failure leaves copies that may still land: the mapping stays.
+  auto fail = [&](const char* call, CUresult rc) {
+    if (queued > 0) segment.keep_mapped();
+    throw CudaError(describe_cuda_error(call, rc));
+  };
   for (std::size_t i = 0; i < count; ++i) {
     std::uint64_t dst = entries[i].dst;
     std::uint64_t src = entries[i].src;
@@ -411,36 +384,23 @@ std::unique_ptr<CopyEvent> copy_device_async(Segment& segment, const CopyEntry* 
     while (left > 0) {
       std::uint64_t len = left;
       if (chunk != 0) len = std::min(left, chunk - dst % chunk);
-      cudaError_t rc = cudaMemcpyAsync(base + dst, reinterpret_cast<const void*>(src), len,
-                                       cudaMemcpyDeviceToHost, s);
-      if (rc != cudaSuccess) throw_cuda("cudaMemcpyAsync", rc);
+      CUresult rc = driver.cuMemcpyDtoHAsync(base + dst, src, len, s);
+      if (rc != kCudaSuccess) fail("cuMemcpyDtoHAsync", rc);
+      ++queued;
       dst += len;
       src += len;
       left -= len;
     }
   }
-  cudaEvent_t event = nullptr;
-  cudaError_t rc = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
-  if (rc != cudaSuccess) throw_cuda("cudaEventCreateWithFlags", rc);
-  rc = cudaEventRecord(event, s);
-  if (rc != cudaSuccess) {
-    cudaEventDestroy(event);
-    throw_cuda("cudaEventRecord", rc);
+  CUevent event = nullptr;
+  CUresult rc = driver.cuEventCreate(&event, kEventDisableTiming);
+  if (rc != kCudaSuccess) fail("cuEventCreate", rc);
+  rc = driver.cuEventRecord(event, s);
+  if (rc != kCudaSuccess) {
+    driver.cuEventDestroy(event);
+    fail("cuEventRecord", rc);
   }
   return std::make_unique<CopyEvent>(event, device);
 }
-
-#else
-
-CopyEvent::~CopyEvent() = default;
-bool CopyEvent::query() { return true; }
-bool CopyEvent::wait(double) { return true; }
-
-std::unique_ptr<CopyEvent> copy_device_async(Segment&, const CopyEntry*, std::size_t, std::uintptr_t,
-                                             int) {
-  throw CudaError("pyshmckpt was built without CUDA: device copies are not available");
-}
-
-#endif
 
 }  // namespace pyshmckpt

@@ -88,8 +88,10 @@ class CopyEvent {
   int device_;
 };
 
-// Issues cudaMemcpyAsync for every entry on `stream` (a cudaStream_t of `device`), splitting copies
-// at pinned-chunk boundaries, and records an event after the last one.
+// Issues cuMemcpyDtoHAsync for every entry on `stream` (a CUstream of `device`, such as torch's
+// cudaStream_t), splitting copies at pinned-chunk boundaries, and records an event after the last
+// one. Throws CudaError; when that happens after copies were queued, the segment is kept mapped
+// (Segment::keep_mapped), as they may still land.
 // SAFETY: every `src` must be device memory readable for `nbytes` bytes that stays allocated until
 // the returned event completes; `stream` must be a live stream of `device` (0 means the legacy
 // default stream).

@@ -282,6 +282,7 @@ Segment& Segment::operator=(Segment&& other) noexcept {
     exports_ = other.exports_;
     pinned_chunk_ = other.pinned_chunk_;
     pin_error_ = std::move(other.pin_error_);
+    keep_mapped_ = other.keep_mapped_;
     other.base_ = nullptr;
     other.fd_ = -1;
     other.closed_ = true;
@@ -317,7 +318,7 @@ void Segment::unlink() {
 
 void Segment::release_mapping() noexcept {
   if (base_ != nullptr) {
-    munmap(base_, mapped_size());
+    if (!keep_mapped_) munmap(base_, mapped_size());
     base_ = nullptr;
   }
   if (fd_ >= 0) {
@@ -364,7 +365,7 @@ bool Segment::pin(std::size_t chunk_bytes) {
 }
 
 void Segment::unpin() noexcept {
-  if (pinned_chunk_ == 0 || base_ == nullptr) return;
+  if (pinned_chunk_ == 0 || base_ == nullptr || keep_mapped_) return;
   unregister_host_memory(base_, mapped_size(), pinned_chunk_);
   pinned_chunk_ = 0;
 }

@@ -86,6 +86,12 @@ class Segment {
   std::size_t pin_chunk_bytes() const noexcept { return pinned_chunk_; }
   const std::string& pin_error() const noexcept { return pin_error_; }
 
+  // Device copies may still land in the mapping (a batch failed part-way, or whether its copies
+  // completed cannot be known): from now on it is never unpinned or unmapped, only unlinked and
+  // its descriptor closed, so that a late copy cannot write into memory reused for something else.
+  void keep_mapped() noexcept { keep_mapped_ = true; }
+  bool kept_mapped() const noexcept { return keep_mapped_; }
+
  private:
   Segment() = default;
   void release_mapping() noexcept;
@@ -101,6 +107,7 @@ class Segment {
   std::size_t exports_ = 0;
   std::size_t pinned_chunk_ = 0;
   std::string pin_error_;
+  bool keep_mapped_ = false;
 };
 
 // The system's page size in bytes.

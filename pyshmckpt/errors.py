@@ -38,7 +38,7 @@ class ExtensionMissingError(PyshmckptError, ImportError):
 
 
 class PinningWarning(PyshmckptWarning):
-    """Issued when an arena cannot be page-locked for CUDA (``cudaHostRegister`` failed, for
+    """Issued when an arena cannot be page-locked for CUDA (``cuMemHostRegister`` failed, for
     instance under a low ``ulimit -l``); staging still works, with slower device-to-host copies.
 
     Derives from `PyshmckptWarning`.
@@ -95,6 +95,25 @@ class UnsupportedValueError(PyshmckptError, TypeError):
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickles (across processes) with its arguments
         return type(self), (self.path, self.reason), self.__dict__
+
+
+class CudaError(PyshmckptError, RuntimeError):
+    """Raised when CUDA cannot do what staging asked of it, with the reason in words: no driver
+    (``libcuda.so.1`` cannot be loaded), a driver too old for a call pyshmckpt makes (naming
+    it), no device, or a driver call that failed (with its CUDA error name; after a sticky error,
+    such as an illegal address, CUDA is unusable in the process until it restarts).
+    ``pyshmckpt cuda-info`` says what was found.
+
+    Derives from `PyshmckptError` and `RuntimeError`.
+    """
+
+
+class CudaUnavailableError(UnsupportedValueError, CudaError):
+    """Raised by staging for a CUDA tensor (or CuPy array) when CUDA cannot be used in this
+    process: its key path, and why (no driver, a driver too old, no device); nothing is staged.
+
+    Derives from `UnsupportedValueError` and `CudaError`.
+    """
 
 
 class CapacityError(PyshmckptError, RuntimeError):
@@ -444,4 +463,14 @@ class CheckpointKeyError(CheckpointMismatchError, KeyError):
     """Raised by ``load(into=...)`` when a key of the target is not in the checkpoint.
 
     Derives from `CheckpointMismatchError` and `KeyError`.
+    """
+
+
+class CupyUnavailableError(PyshmckptError, RuntimeError):
+    """Raised by ``load`` when the checkpoint holds CuPy arrays and this process cannot make
+    them: CuPy is not installed (``pip install 'pyshmckpt[cupy]'``) or sees no CUDA device. The
+    message names the first such array; ``load(..., cupy_as="numpy")`` loads them as NumPy
+    arrays instead. Raised before any tensor is read.
+
+    Derives from `PyshmckptError` and `RuntimeError`.
     """

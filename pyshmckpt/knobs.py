@@ -59,7 +59,7 @@ def slot_granularity() -> int:
 
 
 def pin_chunk_bytes() -> int:
-    """PYSHMCKPT_PIN_CHUNK_BYTES: bytes per cudaHostRegister call (default 1 GiB)."""
+    """PYSHMCKPT_PIN_CHUNK_BYTES: bytes per cuMemHostRegister call (default 1 GiB)."""
     return _env_int("PYSHMCKPT_PIN_CHUNK_BYTES", 1024 * _MIB, 4096)
 
 

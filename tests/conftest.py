@@ -59,7 +59,9 @@ def share_optimized_bytecode(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if pyshmckpt.cuda_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device and the CUDA build of pyshmckpt")
+    skip = pytest.mark.skip(
+        reason="needs a CUDA device (pyshmckpt cuda-info says why CUDA is not usable here)"
+    )
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

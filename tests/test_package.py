@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -63,3 +64,37 @@ def test_python_dash_m_runs_the_command_line(tmp_path):
     assert done.stdout.startswith("usage: pyshmckpt")
     for command in ("demo", "bench", "gc", "verify", "inspect"):
         assert command in done.stdout
+
+
+def test_the_extension_needs_nothing_of_cuda_to_load():
+    """The CUDA path is in every build and links nothing of CUDA: the driver is opened at run
+    time, so an install on a machine without CUDA (or with any driver) loads and imports."""
+    from pyshmckpt.shm import native
+
+    extension = native._C.__file__
+    linked = run(["ldd", extension], PACKAGE, child_env())
+    assert linked.returncode == 0, linked.stderr
+    assert not re.search(r"libcud|libnv|cublas", linked.stdout), linked.stdout
+    undefined = run(["nm", "-D", "--undefined-only", extension], PACKAGE, child_env())
+    assert undefined.returncode == 0, undefined.stderr
+    cuda_symbols = [s for s in undefined.stdout.split() if re.match(r"cu(da)?[A-Z]", s)]
+    assert cuda_symbols == []
+    assert "dlopen" in undefined.stdout  # how it finds the driver instead
+
+
+def test_cuda_info_says_the_path_is_built_and_why_it_cannot_run(tmp_path):
+    missing = tmp_path / "no-such-driver.so.1"
+    env = {**child_env(), "PYSHMCKPT_CUDA_DRIVER": str(missing)}
+    done = run([sys.executable, "-m", "pyshmckpt", "cuda-info"], tmp_path, env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "CUDA path: in this build (driver loaded at run time)", lines
+    assert "driver: not loaded" in lines
+    assert f"no CUDA driver: {missing} could not be loaded" in lines[-1], lines
+    assert lines[-1].startswith("CUDA staging: not usable"), lines
+    checked = run(
+        [sys.executable, "-c", "import pyshmckpt; print(pyshmckpt.cuda_available())"],
+        tmp_path,
+        env,
+    )
+    assert checked.stdout == "False\n", checked.stdout + checked.stderr

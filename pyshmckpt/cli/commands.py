@@ -1,4 +1,5 @@
-"""The ``pyshmckpt`` command line (also ``python -m pyshmckpt``): demo, bench, gc, verify, inspect."""
+"""The ``pyshmckpt`` command line (also ``python -m pyshmckpt``): demo, bench, gc, verify, inspect,
+cuda-info."""
 
 from __future__ import annotations
 
@@ -123,6 +124,15 @@ def _demo(args: argparse.Namespace) -> int:
     return run.main(args)
 
 
+def _cuda_info(args: argparse.Namespace) -> int:
+    """Exit status 0 when CUDA tensors can be staged here, 1 when not (with the reason)."""
+    from ..shm.cuda import cuda_info
+
+    info = cuda_info()
+    print("\n".join(info.lines()))
+    return 0 if info.usable else 1
+
+
 def _bench(args: argparse.Namespace) -> int:
     from . import bench
 
@@ -181,5 +191,11 @@ def _main(argv: list[str] | None) -> int:
         help="list this rank's tensors (default: every rank's, sharded tensors with their parts)",
     )
     inspect.set_defaults(run=_inspect)
+    cuda_info = sub.add_parser(
+        "cuda-info",
+        help="say whether CUDA staging works here: the driver loaded and from where, its version, "
+        "the devices, pinning a test buffer; the reason when not (exit 1)",
+    )
+    cuda_info.set_defaults(run=_cuda_info)
     args = parser.parse_args(argv)
     return int(args.run(args))

@@ -14,7 +14,6 @@ writing into a slot keep it from being reused until they complete.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import gc
 import logging
@@ -32,6 +31,7 @@ from .._log import warn_once
 from ..errors import (
     ConfigError,
     ConfigTypeError,
+    CudaError,
     PinningWarning,
     SlotsBusyError,
     SlotStateError,
@@ -295,7 +295,11 @@ class Slot:
 
     def copies_pending(self) -> bool:
         """Whether device-to-host copies queued into this slot have not landed yet."""
-        self.pending = [event for event in self.pending if not event.query()]
+        try:
+            self.pending = [event for event in self.pending if not event.query()]
+        except CudaError:
+            self.segment.keep_mapped()  # whether its copies landed cannot be known
+            raise
         return bool(self.pending)
 
     def close(self) -> None:
@@ -306,20 +310,18 @@ class Slot:
         memory stays pinned and mapped for the rest of the process, and that is logged.
         """
         timeout = knobs.device_copy_timeout()
-        unfinished = [event for event in self.pending if not event.wait(timeout)]
+        unfinished = [event for event in self.pending if not _landed(event, timeout)]
         self.pending = []
         sharing.unregister_slot(self.storage)
         self._bases.clear()
-        if unfinished:
+        if unfinished or self.segment.kept_mapped:
             logger.error(
-                "slot %s: %d device copies still running after %.3g s; its memory stays mapped "
-                "and pinned until the process exits, so that they cannot corrupt other memory",
+                "slot %s: device copies into it may still land (%d not finished after %.3g s, "
+                "or a batch failed part-way); its memory stays mapped and pinned until the "
+                "process exits, so that they cannot corrupt other memory",
                 self.name, len(unfinished), timeout,
             )  # fmt: skip
-            _KEPT_MAPPED.append(self.segment)
-            with contextlib.suppress(OSError):
-                self.segment.unlink()
-            return
+            self.segment.keep_mapped()
         self.segment.close()
 
     def __repr__(self) -> str:
@@ -329,8 +331,14 @@ class Slot:
         )
 
 
-# Segments a device copy may still write into (see `Slot.close`): never unmapped.
-_KEPT_MAPPED: list[Segment] = []
+def _landed(event: CopyEvent, timeout: float) -> bool:
+    """Whether a batch of device copies completed within `timeout` seconds; False too when CUDA
+    cannot say (a failed or sticky driver call): its copies may still land."""
+    try:
+        return bool(event.wait(timeout))
+    except CudaError as exc:
+        logger.error("a device copy's completion cannot be known: %s", exc)
+        return False
 
 
 class Arena:

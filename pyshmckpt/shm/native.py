@@ -60,14 +60,15 @@ def set_copy_threads(count: int) -> None:
     _C.set_num_threads(count)
 
 
-def cuda_compiled() -> bool:
-    """True when the extension was built with the CUDA path."""
-    return bool(_C.cuda_compiled())
-
-
 def cuda_device_count() -> int:
-    """CUDA devices the extension's runtime sees (0 without a driver or a CUDA build)."""
+    """CUDA devices the driver sees (0 without a usable driver or a device; loads the driver on
+    the first call)."""
     return int(_C.cuda_device_count())
+
+
+def cuda_driver_status() -> dict[str, Any]:
+    """What loading the CUDA driver found (see `cuda.driver_status`)."""
+    return dict(_C.cuda_driver_status())
 
 
 def read_file_ranges(fd: int, entries: Any, *, checksums: bool, path: str) -> tuple[Any, Any]:

@@ -1,6 +1,7 @@
 """Lay a nested state dict out in a slot: validation, grouping, offsets and the copies.
 
-`plan()` walks dict/list/tuple containers, validates every tensor, groups tensors that share a
+`plan()` walks dict/list/tuple containers, validates every tensor (NumPy and CuPy arrays are
+staged as the tensors that view them, see `arrays`), groups tensors that share a
 storage and assigns each storage one aligned block of the slot (`planner` reuses a layout for
 the next state dict of the same structure). The result is a `StagingPlan`: a
 `Manifest` (structure, leaves, per-tensor dtype/shape/stride/offset) plus the copy rows that fill
@@ -25,13 +26,16 @@ import numpy as np
 import torch
 
 from .. import _torch_private, knobs
-from ..errors import UnsupportedValueError
+from ..errors import CudaUnavailableError, UnsupportedValueError
+from ..shm import cuda
+from .arrays import ArrayTensors, array_flag, numpy_problem
 from .dtensors import Sharding, dtensor_type, shard_info
 from .manifest import (
     DICT,
     LEAF,
     LIST,
     NAMED_TUPLE,
+    NUMPY,
     PICKLED,
     REDUCED,
     TUPLE,
@@ -85,12 +89,16 @@ class StagingPlan:
 
 
 class _Invalid(Exception):
-    """Raised inside the walk; plan() turns it into UnsupportedValueError with the key path."""
+    """Raised inside the walk; plan() turns it into `error` (UnsupportedValueError or a subclass)
+    with the key path."""
 
-    def __init__(self, obj: Any, reason: str) -> None:
+    def __init__(
+        self, obj: Any, reason: str, error: type[UnsupportedValueError] = UnsupportedValueError
+    ) -> None:
         super().__init__(reason)
         self.obj = obj
         self.reason = reason
+        self.error = error
 
 
 def tensor_problem(t: torch.Tensor) -> str | None:
@@ -129,8 +137,21 @@ class _Walker:
         # tensor index -> (the DTensor whose local shard it is, its ShardInfo)
         self.dtensors: dict[int, tuple[Any, Any]] = {}
         self.dtensor_type = dtensor_type()
+        self.array_tensors = ArrayTensors()
+        self.array_flags: dict[int, int] = {}  # tensor index -> NUMPY or CUPY: it was an array
         self.active: set[int] = set()
         self.memo: dict[int, Any] = {}
+        self.cuda_checked = False
+
+    def _check_cuda(self, obj: torch.Tensor) -> None:
+        """CudaUnavailableError (through _Invalid) when the device copies a CUDA tensor needs
+        cannot run here: torch may see a device that pyshmckpt's driver cannot use."""
+        reason = cuda.unavailable_reason()
+        if reason is not None:
+            raise _Invalid(
+                obj, f"a CUDA tensor needs CUDA to be staged: {reason}", CudaUnavailableError
+            )
+        self.cuda_checked = True
 
     def walk(self, obj: Any) -> Any:
         cls = type(obj)
@@ -144,6 +165,8 @@ class _Walker:
                     if self.pickle_unsupported:
                         return self._pickled(obj, problem)
                     raise _Invalid(obj, problem)
+                if obj.is_cuda and not self.cuda_checked:
+                    self._check_cuda(obj)
                 i = len(self.tensors)
                 self.index[id(obj)] = i
                 self.tensors.append(obj)
@@ -156,6 +179,9 @@ class _Walker:
             or (isinstance(obj, tuple) and hasattr(cls, "_fields"))
         ):
             return self._container(obj, cls)
+        flag = array_flag(obj)
+        if flag:
+            return self._array(obj, flag)
         try:
             return Leaf(LEAF, copy.deepcopy(obj, self.memo))
         except Exception as exc:
@@ -183,7 +209,30 @@ class _Walker:
         self.dtensors[i] = (obj, info)
         return i
 
-    def _pickled(self, obj: torch.Tensor, problem: str) -> Leaf:
+    def _array(self, obj: Any, flag: int) -> Any:
+        """A NumPy or CUDA array, as the tensor that views it (a row flagged `flag`)."""
+        i = self.index.get(id(obj))
+        if i is not None:
+            return i
+        try:
+            if flag == NUMPY:
+                problem = numpy_problem(obj)
+                if problem is not None:
+                    raise UnsupportedValueError("an array", problem)
+                tensor = self.array_tensors.numpy(obj)
+            else:
+                tensor = self.array_tensors.device(obj)
+        except UnsupportedValueError as exc:
+            if self.pickle_unsupported:
+                return self._pickled(obj, exc.reason)
+            raise _Invalid(obj, exc.reason, type(exc)) from exc.__cause__
+        i = len(self.tensors)
+        self.index[id(obj)] = i
+        self.tensors.append(tensor)
+        self.array_flags[i] = flag
+        return i
+
+    def _pickled(self, obj: Any, problem: str) -> Leaf:
         try:
             leaf = Pickled.snapshot(obj)
         except Exception as exc:
@@ -262,7 +311,8 @@ def plan(state_dict: Any, *, pickle_unsupported: bool = False) -> StagingPlan:
     """Validate `state_dict` and lay it out; raises UnsupportedValueError before any copy.
 
     With pickle_unsupported, tensors a slot cannot hold (sparse, nested, quantized, meta,
-    subclasses) become `Pickled` leaves (deep copies, carried beside the slot) instead.
+    subclasses) and arrays torch cannot view become `Pickled` leaves (deep copies, carried
+    beside the slot) instead.
     """
     with gc_paused():
         return lay_out(state_dict, pickle_unsupported)[0]
@@ -273,6 +323,10 @@ def lay_out(state_dict: Any, pickle_unsupported: bool) -> tuple[StagingPlan, Blo
     tree, walker = _walk(state_dict, pickle_unsupported)
     tensors = walker.tensors
     columns = _Columns.of(tensors)
+    if walker.array_flags:
+        columns.flags[list(walker.array_flags)] |= np.fromiter(
+            walker.array_flags.values(), dtype=np.uint8, count=len(walker.array_flags)
+        )
     blocks = _Blocks.of(columns, knobs.alignment())
     view_strides, flat_strides, gathers = _dense_strides(columns, blocks.gather, tensors)
     host, devices = _copy_rows(columns, blocks)
@@ -315,7 +369,7 @@ def _walk(state_dict: Any, pickle_unsupported: bool) -> tuple[Any, _Walker]:
         tree = walker.walk(state_dict)
     except _Invalid as bad:
         path = _find_path(state_dict, bad.obj, (), set())
-        raise UnsupportedValueError(format_path(path or ()), bad.reason) from bad.__cause__
+        raise bad.error(format_path(path or ()), bad.reason) from bad.__cause__
     if walker.pickled:
         logger.debug("%d value(s) the slot cannot hold travel pickled beside it", walker.pickled)
     return tree, walker
@@ -340,7 +394,7 @@ class _Columns:
     device: np.ndarray  # int64: -1 (host) or the CUDA device index
     lazy: np.ndarray  # bool: a lazy conjugate or negation
     dense: np.ndarray  # bool: contiguous and not lazy
-    flags: np.ndarray  # uint8: PARAMETER | REQUIRES_GRAD
+    flags: np.ndarray  # uint8: PARAMETER | REQUIRES_GRAD (lay_out adds NUMPY | CUPY)
 
     @classmethod
     def of(cls, tensors: list[torch.Tensor]) -> _Columns:

@@ -147,6 +147,8 @@ class TensorEntry:
         block: index into `Manifest.blocks`; -1 for a tensor without elements.
         parameter: restored as a `torch.nn.Parameter`.
         requires_grad: restored with ``requires_grad=True``.
+        array: ``"numpy"`` or ``"cupy"`` when the value was a NumPy or CuPy array (restored as
+            an array), None for a tensor.
     """
 
     path: tuple[Any, ...]  # key path of its first occurrence
@@ -158,10 +160,29 @@ class TensorEntry:
     block: int  # index into Manifest.blocks; -1 for a tensor without elements
     parameter: bool = False  # restore as torch.nn.Parameter
     requires_grad: bool = False
+    array: str | None = None  # "numpy" or "cupy": restore as that kind of array
 
 
+# Bits of the `flags` column (and of the "flags" of a tensor in a checkpoint's manifest).
 PARAMETER = 1
 REQUIRES_GRAD = 2
+NUMPY = 4  # was an np.ndarray: given back as one
+CUPY = 8  # was a CUDA array (__cuda_array_interface__): staged as NumPy, loaded as CuPy
+ARRAY = NUMPY | CUPY
+# The torch dtypes NumPy has (by name): the dtypes a row flagged NUMPY or CUPY can have.
+ARRAY_DTYPES = frozenset(
+    "bool uint8 int8 int16 int32 int64 uint16 uint32 uint64 float16 float32 float64 complex64 "
+    "complex128".split()
+)
+
+
+def array_kind(flags: int) -> str | None:
+    """The kind of array a row with these flags was: "numpy", "cupy", or None (a tensor)."""
+    if flags & NUMPY:
+        return "numpy"
+    if flags & CUPY:
+        return "cupy"
+    return None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -191,7 +212,7 @@ class Manifest:
     offset: np.ndarray  # (n,) int64, bytes from the slot start to element 0 of the view
     nbytes: np.ndarray  # (n,) int64, numel * itemsize
     block: np.ndarray  # (n,) int64, row of `blocks`; -1 for tensors without elements
-    flags: np.ndarray  # (n,) uint8, PARAMETER | REQUIRES_GRAD
+    flags: np.ndarray  # (n,) uint8, PARAMETER | REQUIRES_GRAD | NUMPY | CUPY
     blocks: np.ndarray  # (m, 2) int64: offset, nbytes of each staged storage block
     size: int  # bytes of the slot in use (end of the last block)
     # Tensors that are DTensors' local shards, with their placements (None: no DTensor).
@@ -286,6 +307,7 @@ class Manifest:
                     blocks[i],
                     bool(flags[i] & PARAMETER),
                     bool(flags[i] & REQUIRES_GRAD),
+                    array_kind(flags[i]),
                 )  # fmt: skip
             )
             pos = end
@@ -302,7 +324,7 @@ class Manifest:
             self.paths()[i], self.dtypes[int(self.dtype[i])],
             tuple(self.shapes[pos:end].tolist()), tuple(self.strides[pos:end].tolist()),
             int(self.offset[i]), int(self.nbytes[i]), int(self.block[i]),
-            bool(flags & PARAMETER), bool(flags & REQUIRES_GRAD),
+            bool(flags & PARAMETER), bool(flags & REQUIRES_GRAD), array_kind(flags),
         )  # fmt: skip
 
 
@@ -343,14 +365,16 @@ def offsets_in_blocks(offset: np.ndarray, block: np.ndarray, blocks: np.ndarray)
 
 def make_tensors(
     manifest: Manifest, storage: torch.UntypedStorage | None, slot_offset: int = 0
-) -> list[torch.Tensor]:
+) -> list[Any]:
     """Create the manifest's tensors over `storage`, in which the slot starts at byte
     `slot_offset` (None only for a manifest without blocks).
 
     Every block gets a storage of its own, a slice of `storage` that shares its bytes (and keeps
     it alive), and each tensor views its block's storage: so torch.save, pickling and copying a
     tensor take its block's bytes and nothing else, and tensors that came from one source storage
-    share one storage again. Tensors without elements get an empty storage of their own.
+    share one storage again. Tensors without elements get an empty storage of their own. Rows
+    flagged NUMPY or CUPY are NumPy arrays over their tensor's memory (a CuPy array's host
+    snapshot is a NumPy array, as a CUDA tensor's is a CPU tensor); each keeps its tensor alive.
     """
     import torch
 
@@ -365,7 +389,7 @@ def make_tensors(
         _torch_private.storage_slice(storage, start, start + nbytes)  # type: ignore[arg-type]
         for start, nbytes in (manifest.blocks + [slot_offset, 0]).tolist()
     ]
-    out: list[torch.Tensor] = []
+    out: list[Any] = []
     append = out.append
     with torch.no_grad():
         for shape, stride, code, block, offset in zip(*manifest.view_args, strict=True):
@@ -377,7 +401,9 @@ def make_tensors(
                 )
         flagged = np.flatnonzero(manifest.flags)
         for i, flag in zip(flagged.tolist(), manifest.flags[flagged].tolist(), strict=True):
-            if flag & PARAMETER:
+            if flag & ARRAY:
+                out[i] = out[i].numpy()
+            elif flag & PARAMETER:
                 out[i] = torch.nn.Parameter(out[i], requires_grad=bool(flag & REQUIRES_GRAD))
             else:
                 out[i].requires_grad_(True)
@@ -408,8 +434,9 @@ def tensor_steps(node: Any, index: int) -> list[Any] | None:
     return None
 
 
-def build(node: Any, tensors: list[torch.Tensor]) -> Any:
-    """The structure of `node` with tensor references replaced by `tensors[i]`."""
+def build(node: Any, tensors: list[Any]) -> Any:
+    """The structure of `node` with tensor references replaced by `tensors[i]` (a tensor, or an
+    array for a row flagged NUMPY or CUPY)."""
     if type(node) is int:
         return tensors[node]
     kind = node.kind

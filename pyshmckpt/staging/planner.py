@@ -4,9 +4,10 @@ A training loop stages state dicts of one structure again and again. A Planner k
 of the last one and checks the next against it: the same containers and keys, the same tensor
 objects pattern (which places hold one object), and for each tensor the same class, dtype,
 shape, stride, storage offset, device, layout, autograd flags and lazy conj/neg bits, the same
-storage-sharing pattern and (for DTensors) the same placements. Then offsets and manifest columns
-are the old ones; only the copy rows' source addresses, the leaves and the DTensor specs are
-new. Any difference falls back to a full plan.
+storage-sharing pattern, (for DTensors) the same placements, and the same kind of value (a NumPy
+or CuPy array where one was, a tensor where a tensor was). Then offsets and manifest columns are
+the old ones; only the copy rows' source addresses, the leaves and the DTensor specs are new. Any
+difference falls back to a full plan.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from .. import _torch_private
 from ..errors import UnsupportedValueError
+from .arrays import ArrayTensors, array_flag, device_array_problem, numpy_problem
 from .dtensors import Sharding, dtensor_type, shard_info
 from .layout import (
     ATOMIC,
@@ -33,10 +35,12 @@ from .layout import (
     tensor_signature,
 )
 from .manifest import (
+    ARRAY,
     DICT,
     LEAF,
     LIST,
     NAMED_TUPLE,
+    NUMPY,
     PICKLED,
     REDUCED,
     TUPLE,
@@ -63,6 +67,15 @@ class _Template:
     manifest: Manifest
     blocks: BlockMap
     runs: dict[int, int] | None = None  # see tensor_runs; made by the first reuse
+    arrays: dict[int, int] | None = None  # see array_flags; made by the first reuse
+
+    def array_flags(self) -> dict[int, int]:
+        """The tensors that were arrays: index -> NUMPY or CUPY."""
+        if self.arrays is None:
+            flags = self.manifest.flags & ARRAY
+            rows = np.flatnonzero(flags)
+            self.arrays = dict(zip(rows.tolist(), flags[rows].tolist(), strict=True))
+        return self.arrays
 
     def tensor_runs(self) -> dict[int, int]:
         """The containers whose children are all plain tensors numbered start, start + 1, ...,
@@ -73,13 +86,15 @@ class _Template:
             containers: list[Container] = []
             _count_tensors(self.manifest.tree, counts, containers)
             runs = {}
+            arrays = self.array_flags()
             for node in containers:
                 children = node.children
                 if not children or any(type(c) is not int for c in children):
                     continue
                 start = children[0]
                 if children == tuple(range(start, start + len(children))) and all(
-                    counts[c] == 1 and c not in self.blocks.dtensors for c in children
+                    counts[c] == 1 and c not in self.blocks.dtensors and c not in arrays
+                    for c in children
                 ):
                     runs[id(node)] = start
             self.runs = runs
@@ -109,11 +124,16 @@ class _Matcher:
     """Walks a state dict along a template's tree: collects its tensors in tree order, takes fresh
     copies of the leaves and raises _Mismatch at the first structural difference."""
 
-    def __init__(self, count: int, dtensors: frozenset[int], runs: dict[int, int]) -> None:
+    def __init__(
+        self, count: int, dtensors: frozenset[int], runs: dict[int, int], arrays: dict[int, int]
+    ) -> None:
         self.seen: list[Any] = [None] * count  # tensor index -> the object found there
-        self.tensors: list[Any] = [None] * count  # the tensor to copy (a DTensor's local shard)
+        # The tensor to copy (a DTensor's local shard, the tensor viewing an array).
+        self.tensors: list[Any] = [None] * count
         self.dtensors = dtensors
         self.runs = runs  # see _Template.tensor_runs
+        self.arrays = arrays  # see _Template.array_flags
+        self.array_tensors: ArrayTensors | None = None  # made for the first array
         self.found: dict[int, tuple[Any, Any]] = {}  # index -> (DTensor, ShardInfo)
         self.memo: dict[int, Any] = {}
 
@@ -179,7 +199,10 @@ class _Matcher:
                 raise _Mismatch("a tensor appearing twice is now two tensors")
             return
         cls = type(obj)
-        if index in self.dtensors:
+        flag = self.arrays.get(index)
+        if flag is not None:
+            self.tensors[index] = self._array(obj, flag)
+        elif index in self.dtensors:
             if cls is not dtensor_type():
                 raise _Mismatch("a DTensor is now something else")
             try:
@@ -190,17 +213,37 @@ class _Matcher:
             self.tensors[index] = _torch_private.local_tensor(obj)
         elif cls is torch.Tensor or cls is torch.nn.Parameter:
             self.tensors[index] = obj
+        elif array_flag(obj):
+            raise _Mismatch("a tensor is now an array")
         else:
             raise _Mismatch("a tensor is now something else")
         self.seen[index] = obj
+
+    def _array(self, obj: Any, flag: int) -> torch.Tensor:
+        """The tensor viewing `obj`, where the template had an array of kind `flag`."""
+        found = array_flag(obj)
+        if found != flag:
+            if isinstance(obj, torch.Tensor):
+                raise _Mismatch("an array is now a tensor")
+            raise _Mismatch("an array is now something else")
+        if self.array_tensors is None:
+            self.array_tensors = ArrayTensors()
+        if flag == NUMPY:
+            if numpy_problem(obj) is not None:
+                raise _Mismatch("an array can no longer be staged")
+            return self.array_tensors.numpy(obj)
+        try:
+            return self.array_tensors.device(obj)
+        except UnsupportedValueError:
+            raise _Mismatch("an array can no longer be staged") from None
 
     def _leaf(self, obj: Any, node: Leaf) -> Leaf:
         cls = type(obj)
         if cls in ATOMIC:
             # Only the same object: equal is not enough (0.0 == -0.0, 1 == True).
             return node if node.value is obj else Leaf(LEAF, obj)
-        if isinstance(obj, (torch.Tensor, dict, list, tuple)):
-            raise _Mismatch("a leaf is now a tensor or a container")
+        if isinstance(obj, (torch.Tensor, dict, list, tuple)) or array_flag(obj):
+            raise _Mismatch("a leaf is now a tensor, an array or a container")
         try:
             return Leaf(LEAF, copy.deepcopy(obj, self.memo))
         except Exception as exc:
@@ -239,15 +282,22 @@ class _Matcher:
         return Container(REDUCED, keys, new.children, func, args, state)
 
     def _pickled(self, obj: Any) -> Leaf:
-        if not isinstance(obj, torch.Tensor) or type(obj) is dtensor_type():
+        flag = array_flag(obj)
+        if flag == NUMPY:
+            problem = numpy_problem(obj)
+        elif flag:
+            # Whether torch can view it is known only by trying: a full plan does.
+            problem = device_array_problem(obj)
+        elif not isinstance(obj, torch.Tensor) or type(obj) is dtensor_type():
             raise _Mismatch("a pickled value changed kind")
-        problem = tensor_problem(obj)
+        else:
+            problem = tensor_problem(obj)
         if problem is None:
-            raise _Mismatch("a tensor that travelled pickled can now be staged")
+            raise _Mismatch("a value that travelled pickled can now be staged")
         try:
             return Leaf(PICKLED, Pickled.snapshot(obj))
         except Exception as exc:
-            raise _Mismatch(f"a tensor cannot be pickled: {exc!r}") from None
+            raise _Mismatch(f"a value cannot be pickled: {exc!r}") from None
 
 
 class Planner:
@@ -312,7 +362,7 @@ def _reuse(template: _Template, state_dict: Any, defer_flags: bool = False) -> S
     manifest = template.manifest
     blocks = template.blocks
     n = len(manifest)
-    matcher = _Matcher(n, blocks.dtensors, template.tensor_runs())
+    matcher = _Matcher(n, blocks.dtensors, template.tensor_runs(), template.array_flags())
     tree = matcher.match(state_dict, manifest.tree)
     tensors = matcher.tensors
     if n and len(set(map(id, matcher.seen))) != n:

@@ -111,7 +111,9 @@ class ShmStager(*_bases):  # type: ignore[misc]
 
     `stage` copies every tensor (CPU: thread pool, GIL released; CUDA: batched device-to-host
     copies on a side stream) into a free slot and returns the same structure with CPU tensors
-    that view the slot. It implements DCP's ``AsyncStager`` (pass it as
+    that view the slot. NumPy arrays, and CuPy arrays (objects with ``__cuda_array_interface__``),
+    are staged as the tensors that view them and come back as NumPy arrays over the slot
+    (`pyshmckpt.load` gives a CuPy array back). It implements DCP's ``AsyncStager`` (pass it as
     ``dcp.async_save(..., async_stager=ShmStager())``) and the ``CheckpointStager`` of torch's
     ``_experimental`` checkpointer. It is an ordinary state dict to every consumer: each staged
     block (the bytes of one source storage) is a storage of its own, so torch.save writes each
@@ -137,8 +139,9 @@ class ShmStager(*_bases):  # type: ignore[misc]
         validate: called with each state dict's Manifest after the layout walk and before a slot
             is taken or anything copied; whatever it raises, stage() raises, with nothing staged.
         pickle_unsupported: values a slot cannot hold (sparse, nested, quantized and meta tensors,
-            tensor subclasses) are deep-copied and carried pickled beside the slot, as torch's
-            transport would pickle them, instead of raising UnsupportedValueError.
+            tensor subclasses, arrays torch cannot view) are deep-copied and carried pickled
+            beside the slot, as torch's transport would pickle them, instead of raising
+            UnsupportedValueError.
         reuse_plans: a state dict of the same structure as the previous one (same containers,
             keys, tensor dtypes, shapes, strides, devices and storage sharing) reuses its layout
             after a check, instead of being laid out again; ``plan_stats`` counts both.
@@ -253,18 +256,20 @@ class ShmStager(*_bases):  # type: ignore[misc]
 
         Args:
             state_dict: nested dicts, lists and tuples (named tuples and OrderedDicts too) of
-                tensors (CPU or CUDA, DTensors) and other leaves.
+                tensors (CPU or CUDA, DTensors), NumPy and CuPy arrays, and other leaves.
             **kwargs: accepted and ignored (torch passes some).
 
         Returns:
             The staged state dict: the same structure, its tensors CPU tensors that view the
-                slot (a snapshot: changing the source afterwards changes nothing in it), the other
-                leaves copied. With ``async_staging``, a Future of it, which fails with the errors
-                below that concern copies and slots.
+                slot (a snapshot: changing the source afterwards changes nothing in it), its
+                NumPy and CuPy arrays NumPy arrays that view the slot, the other leaves copied.
+                With ``async_staging``, a Future of it, which fails with the errors below that
+                concern copies and slots.
 
         Raises:
             StagerClosedError: the stager is closed.
-            UnsupportedValueError: a value cannot be staged (the message names its key path);
+            UnsupportedValueError: a value cannot be staged (the message names its key path),
+                such as an array torch cannot view or a CuPy array where torch has no CUDA;
                 raised at once, also with ``async_staging``.
             CapacityError: the state dict does not fit a slot and ``allow_growth`` is False.
             SlotsBusyError: no slot became free within the slot timeout.
@@ -673,12 +678,16 @@ def _views_slot(staged: Any, slot: Slot) -> bool:
             node = node[step]
     except (KeyError, IndexError, TypeError):
         return False
-    if not isinstance(node, torch.Tensor):
+    if type(node) is np.ndarray:  # an array staged over the slot
+        address = int(node.__array_interface__["data"][0])
+    elif isinstance(node, torch.Tensor):
+        if type(node) is dtensor_type():
+            node = _torch_private.local_tensor(node)
+        address = node.untyped_storage().data_ptr()  # each block is a storage of its own
+    else:
         return False
-    if type(node) is dtensor_type():
-        node = _torch_private.local_tensor(node)
-    start = slot.storage.data_ptr()  # each block is a storage of its own within the slot's
-    return start <= node.untyped_storage().data_ptr() < start + slot.storage.nbytes()
+    start = slot.storage.data_ptr()
+    return start <= address < start + slot.storage.nbytes()
 
 
 def lease_staged(staged: Any) -> StagedHandle | None:

@@ -1,4 +1,5 @@
-"""The writer process's view of staged state dicts: zero-copy tensors over a mapped slot.
+"""The writer process's view of staged state dicts: zero-copy tensors (and NumPy arrays, for
+the rows that were arrays) over a mapped slot.
 
 Steady-state checkpoints have the same layout every time, so the tensors built for a slot are
 kept and only the containers and leaves are rebuilt. Each block gets a storage of its own (a
@@ -8,20 +9,17 @@ zero-copy slice of the slot's), so torch.save of a tensor writes that block, not
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..shm import SlotMapping
 from .manifest import Manifest, build, make_tensors
-
-if TYPE_CHECKING:
-    import torch
 
 
 class SlotViews:
     """Per slot (by name): the last full manifest received, and the tensors built for it."""
 
     def __init__(self) -> None:
-        self._cache: dict[str, tuple[Manifest, list[torch.Tensor] | None]] = {}
+        self._cache: dict[str, tuple[Manifest, list[Any] | None]] = {}
 
     def remember(self, slot: str, manifest: Manifest) -> None:
         """A full manifest arrived for `slot`: keep it (and drop views of another layout)."""
@@ -51,7 +49,7 @@ class SlotViews:
             del self._cache[name]
 
 
-def _tensors(slot: SlotMapping, manifest: Manifest) -> list[torch.Tensor]:
+def _tensors(slot: SlotMapping, manifest: Manifest) -> list[Any]:
     import torch  # only a StateDictWriter's process gets here: a SlotWriter's never loads torch
 
     storage = None

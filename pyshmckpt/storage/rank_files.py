@@ -18,7 +18,7 @@ import torch
 
 from ..errors import CheckpointCorruptError, from_os_error
 from ..shm.native import copy_threads, crc32c
-from ..staging.manifest import DTYPES, PARAMETER, REQUIRES_GRAD
+from ..staging.manifest import ARRAY, ARRAY_DTYPES, DTYPES, PARAMETER, REQUIRES_GRAD
 from . import commit
 from .safetensors_header import parse_header
 from .safetensors_writer import FORMAT, file_names
@@ -105,7 +105,8 @@ def tensors_of(
     loaded: dict[str, torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """The described tensors as views of their entries: of `loaded` (entry name -> its bytes in
-    memory) where given, else of the file map `view`."""
+    memory) where given, else of the file map `view`. Rows that were arrays are tensors too
+    (their flags say which kind of array; `reader.load` makes them)."""
     if not isinstance(described, list):
         raise CheckpointCorruptError(str(st_path), "the manifest lists no tensors")
     raws: dict[str, torch.Tensor | None] = dict(loaded or {})
@@ -129,6 +130,15 @@ def tensors_of(
             if flags & REQUIRES_GRAD and not (dtype.is_floating_point or dtype.is_complex):
                 raise CheckpointCorruptError(
                     str(st_path), f"malformed tensor description: a {item['dtype']} tensor cannot require gradients",
+                    tensor=name,
+                )  # fmt: skip
+            if flags & ARRAY and (
+                flags & ARRAY == ARRAY
+                or flags & (PARAMETER | REQUIRES_GRAD)
+                or item["dtype"] not in ARRAY_DTYPES
+            ):
+                raise CheckpointCorruptError(
+                    str(st_path), f"malformed tensor description: flags {flags} on a {item['dtype']} array",
                     tensor=name,
                 )  # fmt: skip
         except CheckpointCorruptError:
@@ -188,6 +198,7 @@ def tensors_of(
 
 
 def _flagged(t: torch.Tensor, flags: int) -> torch.Tensor:
+    # (Rows flagged NUMPY or CUPY stay tensors here: `reader` makes the arrays.)
     if flags & PARAMETER:
         return torch.nn.Parameter(t, requires_grad=bool(flags & REQUIRES_GRAD))
     if flags & REQUIRES_GRAD:

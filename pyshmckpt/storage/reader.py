@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import importlib
 import logging
 import os
 from pathlib import Path
@@ -13,10 +15,13 @@ import torch
 
 from ..errors import (
     CheckpointCorruptError,
+    ConfigError,
+    CupyUnavailableError,
     PickleNotAllowedError,
     from_os_error,
 )
 from ..shm.native import read_file_ranges
+from ..staging.manifest import ARRAY, CUPY
 from . import resharding, tree_codec
 from .rank_files import (
     OpenedRank,
@@ -39,10 +44,15 @@ def load(
     rank: int = 0,
     into: Any = None,
     mmap: bool | None = None,
+    cupy_as: str = "cupy",
 ) -> Any:
     """Load a checkpoint written by pyshmckpt's safetensors writer.
 
     Returns the nested state dict with container types and tied-storage aliases restored.
+    NumPy arrays that were saved come back as NumPy arrays (over the memory the tensors would
+    have, so arrays and tensors that shared memory still do), CuPy arrays as CuPy arrays on
+    the GPU (`map_location`'s device when it is a CUDA device, else CuPy's current one; those
+    that shared memory share it there too), or as NumPy arrays with ``cupy_as="numpy"``.
     Nothing in the files is trusted: every CRC32C is checked (when `verify`), every tensor must
     lie inside its file entry, and pickled values are only loaded with ``allow_pickle=True``.
 
@@ -58,7 +68,8 @@ def load(
     owns its whole storage is read straight from the file into its memory, others are copied
     from a map of the file. Its leaves that are neither tensors nor containers (a learning rate,
     a step count) take the checkpoint's values. A corrupt entry or a mismatch is found once its
-    bytes are read, so the target may be partly overwritten when that raises.
+    bytes are read, so the target may be partly overwritten when that raises. A NumPy (or CuPy)
+    array of the target is filled in place like a tensor.
 
     Sharded checkpoints (DTensors saved on several ranks): without `into`, the tensors of rank
     `rank`'s file are its local shards, as plain tensors. With `into`, each DTensor of the target
@@ -75,6 +86,8 @@ def load(
         rank: whose files to read (and, resharding, whose shards `into` holds).
         into: a state dict to fill in place instead of building a new one.
         mmap: map the file instead of reading it into memory (None: by `map_location`).
+        cupy_as: what saved CuPy arrays come back as: ``"cupy"`` (needs CuPy and a CUDA
+            device) or ``"numpy"``. Not used with `into`, whose arrays are filled as they are.
 
     Returns:
         The state dict, or `into` once filled.
@@ -82,9 +95,15 @@ def load(
     Raises:
         CheckpointCorruptError: a file is missing, damaged, or does not match its manifest
             (naming the file and tensor), or it holds pickled values without `allow_pickle`.
-        CheckpointMismatchError: `into` differs from the checkpoint in structure, shape or dtype.
+        CheckpointMismatchError: `into` differs from the checkpoint in structure, shape or dtype,
+            or holds an array that cannot be filled in place (read-only, a dtype torch lacks).
+        CupyUnavailableError: the checkpoint holds CuPy arrays, `cupy_as` is ``"cupy"``, and
+            CuPy is not installed or sees no CUDA device (nothing is read).
+        ConfigError: `cupy_as` is neither ``"cupy"`` nor ``"numpy"``.
         PyshmckptOSError: a file exists but cannot be opened or mapped.
     """
+    if cupy_as not in ("cupy", "numpy"):
+        raise ConfigError(f"cupy_as must be 'cupy' or 'numpy', not {cupy_as!r}")
     opened = open_rank(path, rank)
     with opened.file:
         directory = opened.json_path.parent
@@ -97,7 +116,10 @@ def load(
             return into
         device = torch.device("cpu" if map_location is None else map_location)
         in_memory = device.type == "cpu" if mmap is None else not mmap
-        file = _rank_file(opened, rank, allow_pickle, verify_all=verify, in_memory=in_memory)
+        arrays = _ArrayMaker(_cupy(opened, cupy_as), device)
+        file = _rank_file(
+            opened, rank, allow_pickle, verify_all=verify, in_memory=in_memory, arrays=arrays
+        )
     logger.debug("loaded %s (rank %d)", directory, rank)
     state = file.state
     if device.type != "cpu":
@@ -119,9 +141,11 @@ def _rank_file(
     *,
     verify_all: bool = False,
     in_memory: bool = False,
+    arrays: _ArrayMaker | None = None,
 ) -> resharding.RankFile:
     """A rank's opened files with their tensors (file maps, or copies in memory) and decoded
-    structure; with verify_all, every checksum is checked first."""
+    structure; with verify_all, every checksum is checked first. With `arrays`, the structure
+    holds the arrays it makes of the rows that were arrays (else those rows' tensors)."""
     json_path, st_path, described, header, mapped, f = opened
     view = memoryview(mapped)
     loaded = None
@@ -130,9 +154,10 @@ def _rank_file(
     elif verify_all:
         check_crcs(st_path, view, header, described.get("entries"))
     tensors = tensors_of(st_path, view, header, described.get("tensors"), loaded=loaded)
+    values = tensors if arrays is None else arrays.values(tensors, described["tensors"])
     try:
         state = tree_codec.decode(
-            described.get("tree"), tensors, allow_pickle=allow_pickle, where=str(json_path)
+            described.get("tree"), values, allow_pickle=allow_pickle, where=str(json_path)
         )
     except PickleNotAllowedError as exc:
         raise CheckpointCorruptError(str(json_path), str(exc)) from None
@@ -141,6 +166,90 @@ def _rank_file(
         check_crcs(st_path, view, header, described.get("entries"), only=names)
 
     return resharding.RankFile(rank, st_path, described, tensors, state, verify_entries)
+
+
+def _cupy(opened: OpenedRank, cupy_as: str) -> Any:
+    """CuPy, when the rank's file holds CuPy arrays that are to come back as CuPy arrays (else
+    None); CupyUnavailableError, naming the first of them, when CuPy cannot make them here."""
+    rows = opened.described.get("tensors")
+    if cupy_as != "cupy" or not isinstance(rows, list):
+        return None
+    first = next(
+        (
+            row.get("name")
+            for row in rows
+            if isinstance(row, dict)
+            and type(row.get("flags")) is int
+            and row["flags"] & ARRAY == CUPY  # (other combinations: `tensors_of` refuses them)
+        ),
+        None,
+    )
+    if first is None:
+        return None
+    where = f"{opened.json_path}: the checkpoint holds CuPy arrays ({first!r} first)"
+    instead = "or load with cupy_as='numpy' to have them as NumPy arrays"
+    try:
+        cupy = importlib.import_module("cupy")
+    except ImportError as exc:
+        raise CupyUnavailableError(
+            f"{where} and CuPy cannot be imported ({exc}): install it (pip install "
+            f"'pyshmckpt[cupy]') {instead}"
+        ) from None
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+        reason = "CuPy sees no CUDA device"
+    except Exception as exc:  # CuPy's CUDARuntimeError: no driver, no device
+        count, reason = 0, f"CuPy finds no CUDA device ({exc})"
+    if count < 1:
+        raise CupyUnavailableError(f"{where} and {reason}: {instead}")
+    return cupy
+
+
+class _ArrayMaker:
+    """Makes the arrays of a rank's rows that were arrays: NumPy arrays over their tensors'
+    memory, and CuPy arrays on the GPU when `cupy` (the module) is given."""
+
+    def __init__(self, cupy: Any, device: torch.device) -> None:
+        self._cupy = cupy
+        # map_location's CUDA device for CuPy arrays (None: CuPy's current device)
+        self._device = device.index if device.type == "cuda" else None
+        self._on_gpu: dict[int, Any] = {}  # storage address -> its bytes on the GPU
+
+    def values(self, tensors: list[torch.Tensor], rows: list[Any]) -> list[Any]:
+        """`tensors` with each row flagged NUMPY or CUPY (rows checked by `tensors_of`) replaced
+        by its array."""
+        flagged = [i for i, row in enumerate(rows) if int(row.get("flags", 0)) & ARRAY]
+        if not flagged:
+            return tensors
+        out: list[Any] = list(tensors)
+        for i in flagged:
+            if self._cupy is not None and int(rows[i]["flags"]) & CUPY:
+                out[i] = self._cupy_array(tensors[i])
+            else:
+                out[i] = tensors[i].numpy()
+        return out
+
+    def _cupy_array(self, t: torch.Tensor) -> Any:
+        """A CuPy array with `t`'s dtype, shape, strides and values. Arrays whose tensors share
+        a storage view one copy of it on the GPU."""
+        cupy = self._cupy
+        dtype = t.numpy().dtype
+        device = cupy.cuda.Device(self._device) if self._device is not None else None
+        with device if device is not None else contextlib.nullcontext():
+            if not t.numel():
+                return cupy.empty(tuple(t.shape), dtype=dtype)
+            storage = t.untyped_storage()
+            raw = self._on_gpu.get(storage.data_ptr())
+            if raw is None:
+                host = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+                raw = self._on_gpu[storage.data_ptr()] = cupy.asarray(host.numpy())
+            itemsize = t.element_size()
+            return cupy.ndarray(
+                tuple(t.shape),
+                dtype=dtype,
+                memptr=raw.data + t.storage_offset() * itemsize,
+                strides=tuple(s * itemsize for s in t.stride()),
+            )
 
 
 def _reshard_into(

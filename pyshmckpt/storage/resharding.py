@@ -7,7 +7,8 @@ are mapped, only the entries of those shards are touched, and each one's checksu
 (which reads the whole entry; without verification only the overlapping bytes are read).
 Replicated copies of one box are read once. Plain tensors and the other leaves come from one
 rank's file, as `load` reads them; the target keeps its own structure, and its leaves that are
-not tensors or containers (a learning rate, a step count) take the checkpoint's values.
+not tensors or containers (a learning rate, a step count) take the checkpoint's values. A NumPy
+or CuPy array of the target is filled in place through the tensor that views it, like a tensor.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import _torch_private
@@ -144,6 +146,10 @@ def _fill(
     if isinstance(target, torch.Tensor):
         _fill_tensor(target, sources, files, primary, verify, path, direct)
         return
+    if _is_array(target):
+        if isinstance(source, torch.Tensor):
+            _fill_tensor(_array_tensor(target, path), sources, files, primary, verify, path, direct)
+        return  # (an array leaf of an older checkpoint, inside a tuple: kept, as other leaves are)
     if isinstance(target, dict):
         if not isinstance(source, dict):
             raise CheckpointMismatchError(
@@ -152,7 +158,7 @@ def _fill(
         for key, value in list(target.items()):
             if key not in source:
                 raise CheckpointKeyError(f"{path}[{key!r}] is not in the checkpoint {where}")
-            if _is_leaf(value):
+            if _is_leaf(value, source[key]):
                 target[key] = _leaf(source[key], f"{path}[{key!r}]")
                 continue
             below = [s.get(key) if isinstance(s, dict) else None for s in sources]
@@ -164,7 +170,7 @@ def _fill(
                 f"{path}: length {len(source)} in the checkpoint, {len(target)} in the target"
             )
         for i, value in enumerate(target):
-            if _is_leaf(value) and isinstance(target, list):
+            if _is_leaf(value, source[i]) and isinstance(target, list):
                 target[i] = _leaf(source[i], f"{path}[{i}]")
                 continue
             below = [
@@ -174,12 +180,57 @@ def _fill(
             _fill(value, below, files, primary, verify, where, f"{path}[{i}]", direct)
 
 
-def _is_leaf(value: Any) -> bool:
-    """A value `into=` replaces with the checkpoint's: neither a tensor nor a dict or list, nor
-    a tuple holding a tensor (those are filled in place)."""
+def _is_leaf(value: Any, source: Any) -> bool:
+    """A value `into=` replaces with the checkpoint's (`source`): neither a tensor nor a dict or
+    list, nor an array the checkpoint holds bytes for, nor a tuple holding one of those (those
+    are filled in place)."""
     if isinstance(value, tuple):
-        return all(_is_leaf(v) and not isinstance(v, (dict, list)) for v in value)
+        items = (
+            source
+            if isinstance(source, (list, tuple)) and len(source) == len(value)
+            else [None] * len(value)
+        )
+        return all(
+            _is_leaf(v, s) and not isinstance(v, (dict, list))
+            for v, s in zip(value, items, strict=True)
+        )
+    if _is_array(value):  # an array leaf of an older checkpoint is replaced, as it was
+        return not isinstance(source, torch.Tensor)
     return not isinstance(value, (torch.Tensor, dict, list))
+
+
+def _is_array(value: Any) -> bool:
+    """A NumPy array, or a CUDA array (``__cuda_array_interface__``) that is not a tensor."""
+    cls = type(value)
+    return cls is np.ndarray or (
+        hasattr(cls, "__cuda_array_interface__") and not isinstance(value, torch.Tensor)
+    )
+
+
+def _array_tensor(target: Any, path: str) -> torch.Tensor:
+    """The tensor viewing the memory of an array of the target, to be filled in place."""
+    if type(target) is np.ndarray:
+        if not target.flags.writeable:
+            raise CheckpointMismatchError(f"{path}: the target is a read-only NumPy array")
+        try:
+            return torch.from_numpy(target)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise CheckpointMismatchError(
+                f"{path}: the target NumPy array cannot be filled in place: {exc}"
+            ) from None
+    try:
+        tensor = torch.as_tensor(target)
+    except Exception as exc:
+        raise CheckpointMismatchError(
+            f"{path}: the target {type(target).__qualname__} cannot be filled in place: {exc}"
+        ) from None
+    pointer = target.__cuda_array_interface__["data"][0]
+    if not tensor.is_cuda or (tensor.numel() and tensor.data_ptr() != pointer):
+        raise CheckpointMismatchError(
+            f"{path}: the target {type(target).__qualname__} cannot be filled in place (torch "
+            "does not view its memory)"
+        )
+    return tensor
 
 
 def _leaf(value: Any, path: str) -> Any:

@@ -4,7 +4,9 @@ Runs in the writer subprocess (a `SlotWriter`). For each staged storage block th
 tensor itself when one tensor covers the block exactly (the common case: safetensors readers see
 the model's tensors by name), otherwise the block's raw bytes (U8) under a reserved name. Views,
 aliases (tied weights), dtypes safetensors lacks, the container structure and non-tensor leaves
-are described in a JSON manifest beside it, with a CRC32C per entry. Tensor bytes go from shared
+are described in a JSON manifest beside it, with a CRC32C per entry. NumPy and CuPy arrays are
+entries like tensors; the "flags" of their rows in the manifest say which they were (the
+`staging.manifest` bits: PARAMETER 1, REQUIRES_GRAD 2, NUMPY 4, CUPY 8). Tensor bytes go from shared
 memory to the file with writev, with no intermediate copy; the directory is committed atomically
 (see commit.py).
 """

@@ -24,6 +24,21 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from pyshmckpt import SlotState, TensorEntry, UnsupportedValueError, knobs
+from pyshmckpt.staging import layout
+from pyshmckpt.staging.manifest import (
+    DTYPES,
+    PARAMETER,
+    REQUIRES_GRAD,
+    Manifest,
+    build,
+    contiguous_stride,
+    dtype_name,
+    rebuild,
+)
+
+from helpers import buffer_storage
 from layout_checks import (
     COMPLEX_DTYPES,
     SLOT_OFFSET,
@@ -40,21 +55,6 @@ from layout_checks import (
     same,
     state_dicts,
 )
-
-from pyshmckpt import SlotState, TensorEntry, UnsupportedValueError, knobs
-from pyshmckpt.staging import layout
-from pyshmckpt.staging.manifest import (
-    DTYPES,
-    PARAMETER,
-    REQUIRES_GRAD,
-    Manifest,
-    build,
-    contiguous_stride,
-    dtype_name,
-    rebuild,
-)
-
-from helpers import buffer_storage
 
 # torch warns once per process that ComplexHalf support is experimental (on the first complex32
 # tensor, here or in a slot's rebuild base) and that quantized dtypes are deprecated (on the first
@@ -471,7 +471,7 @@ class Color:
 
 def test_leaves_are_kept_and_copied():
     box = Box([1, [2, 3]])
-    arr = np.arange(4)
+    scalar = np.float32(0.5)  # a NumPy scalar is a leaf (arrays are staged: test_arrays.py)
     mutable = {1, 2}
     state = {
         "none": None,
@@ -487,7 +487,7 @@ def test_leaves_are_kept_and_copied():
         "range": range(3, 9, 2),
         "class": Color,
         "box": box,
-        "array": arr,
+        "scalar": scalar,
         "set": mutable,
         "bytearray": bytearray(b"ab"),
     }
@@ -495,7 +495,6 @@ def test_leaves_are_kept_and_copied():
     same(len(plan.manifest), 0, "tensors in a state dict of leaves")
     # Mutating the originals after planning does not change the staged leaves: they are copies.
     box.items[1].append(4)
-    arr[0] = 99
     mutable.add(3)
     state["bytearray"][0] = ord("z")
     state["int"] = 0
@@ -504,7 +503,8 @@ def test_leaves_are_kept_and_copied():
     same(list(staged), [k for k in state if k != "new"], "keys")
     same(staged["box"], Box([1, [2, 3]]), "custom object")
     check(staged["box"] is not box, "custom object was not copied")
-    same(staged["array"].tolist(), [0, 1, 2, 3], "numpy array")
+    same(staged["scalar"], np.float32(0.5), "numpy scalar")
+    same(type(staged["scalar"]), np.float32, "type of the numpy scalar")
     same(staged["set"], {1, 2}, "set")
     same(staged["bytearray"], bytearray(b"ab"), "bytearray")
     same(staged["int"], 1 << 70, "int")

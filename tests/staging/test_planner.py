@@ -17,6 +17,15 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+
+from pyshmckpt import UnsupportedValueError
+from pyshmckpt.staging import layout
+from pyshmckpt.staging.manifest import (
+    Leaf,
+    build,
+)
+from pyshmckpt.staging.planner import Planner
+
 from layout_checks import (
     assert_identity_and_aliasing,
     assert_manifests_equal,
@@ -28,14 +37,6 @@ from layout_checks import (
     same,
     state_dicts,
 )
-
-from pyshmckpt import UnsupportedValueError
-from pyshmckpt.staging import layout
-from pyshmckpt.staging.manifest import (
-    Leaf,
-    build,
-)
-from pyshmckpt.staging.planner import Planner
 
 # torch warns once per process that ComplexHalf support is experimental (on the first complex32
 # tensor, here or in a slot's rebuild base) and that quantized dtypes are deprecated (on the first

@@ -1,12 +1,18 @@
-"""CUDA staging (marked gpu: skipped without a GPU and the CUDA build)."""
+"""CUDA staging (marked gpu: skipped without a GPU)."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 import pyshmckpt
 from pyshmckpt import _C, ShmStager
+
+from helpers import child_env
 
 pytestmark = pytest.mark.gpu
 
@@ -71,5 +77,29 @@ def test_async_staging_of_cuda_tensors():
 
 def test_cuda_available_is_true_on_a_gpu():
     assert pyshmckpt.cuda_available()
-    assert _C.cuda_compiled()
+    assert _C.cuda_driver_status()["usable"]
     assert _C.cuda_device_count() >= 1
+
+
+def test_a_cuda_tensor_where_pyshmckpt_cannot_load_the_driver_is_a_typed_error(tmp_path):
+    """torch sees the GPU, but the driver pyshmckpt is told to load does not exist: staging a
+    CUDA tensor names its key path and why, and stages nothing."""
+    code = textwrap.dedent(
+        """
+        import torch, pyshmckpt
+        state = {"model": {"w": torch.ones(4, device="cuda")}}
+        try:
+            with pyshmckpt.ShmStager() as stager:
+                stager.stage(state)
+        except pyshmckpt.CudaUnavailableError as exc:
+            print("PATH", exc.path)
+            print("REASON", exc.reason)
+        """
+    )
+    env = {**child_env(), "PYSHMCKPT_CUDA_DRIVER": str(tmp_path / "missing-libcuda.so.1")}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "PATH state_dict['model']['w']" in done.stdout, done.stdout
+    assert "no CUDA driver" in done.stdout, done.stdout

@@ -211,8 +211,8 @@ def _check_arguments(args: argparse.Namespace) -> None:
     if args.device == "cuda" and not cuda_available():
         _usage_error(
             args,
-            "--device cuda: CUDA is not usable here (pyshmckpt needs its CUDA build, a device "
-            "and a CUDA build of torch)",
+            "--device cuda: CUDA is not usable here (it needs a CUDA build of torch and a device; "
+            "`pyshmckpt cuda-info` says what is missing)",
         )
 
 
