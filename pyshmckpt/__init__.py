@@ -63,7 +63,16 @@ from .shm import native as _native  # noqa: F401
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
-    from .shm import Arena, Slot, SlotState, collect_stale_segments, cuda_available, cuda_compiled
+    from .shm import (
+        Arena,
+        CudaInfo,
+        Slot,
+        SlotState,
+        collect_stale_segments,
+        cuda_available,
+        cuda_compiled,
+        cuda_info,
+    )
     from .staging import Manifest, ShmStager, StagedHandle, TensorEntry
     from .storage import load, verify
     from .transport import CheckpointProcess, CheckpointProcessConfig
@@ -78,8 +87,10 @@ __getattr__, __dir__ = exports(
         "Slot": "shm",
         "SlotState": "shm",
         "collect_stale_segments": "shm",
+        "CudaInfo": "shm",
         "cuda_available": "shm",
         "cuda_compiled": "shm",
+        "cuda_info": "shm",
         "Manifest": "staging",
         "ShmStager": "staging",
         "StagedHandle": "staging",
@@ -114,6 +125,7 @@ __all__ = [
     "ConfigError",
     "ConfigTypeError",
     "CudaError",
+    "CudaInfo",
     "CudaUnavailableError",
     "CupyUnavailableError",
     "ExtensionMissingError",
@@ -151,6 +163,7 @@ __all__ = [
     "collect_stale_segments",
     "cuda_available",
     "cuda_compiled",
+    "cuda_info",
     "load",
     "verify",
 ]

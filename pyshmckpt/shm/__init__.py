@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from .address import SlotAddress
     from .arena import Arena, Slot, SlotState
     from .attached import AttachedSegments, SlotMapping
-    from .cuda import cuda_available, cuda_compiled
+    from .cuda import CudaInfo, cuda_available, cuda_compiled, cuda_info
     from .stale import collect_stale_segments, list_segments
 
 # Imported on first use (see _lazy): the writer process loads only the modules it runs.
@@ -30,8 +30,10 @@ __getattr__, __dir__ = exports(
         "SlotState": "arena",
         "AttachedSegments": "attached",
         "SlotMapping": "attached",
+        "CudaInfo": "cuda",
         "cuda_available": "cuda",
         "cuda_compiled": "cuda",
+        "cuda_info": "cuda",
         "collect_stale_segments": "stale",
         "list_segments": "stale",
     },
@@ -45,7 +47,9 @@ __all__ = [
     "SlotMapping",
     "SlotState",
     "collect_stale_segments",
+    "CudaInfo",
     "cuda_available",
     "cuda_compiled",
+    "cuda_info",
     "list_segments",
 ]

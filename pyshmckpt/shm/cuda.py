@@ -59,17 +59,29 @@ def unavailable_reason() -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class CudaInfo:
-    """What `cuda_info` found (``pyshmckpt cuda-info`` prints it)."""
+    """What `cuda_info` found (``pyshmckpt cuda-info`` prints its `lines`).
 
-    driver_loaded: bool  # the driver library was opened and has every function used
-    driver_path: str  # the library opened ("" when none could be)
-    driver_version: str  # "12.8" ("" when unknown)
-    devices: list[str]  # device names, by ordinal
-    torch_cuda: str  # torch's CUDA version ("" for a CPU build of torch)
+    Attributes:
+        driver_loaded: the driver library was opened and has every function pyshmckpt uses.
+        driver_path: the library opened ("" when none could be).
+        driver_version: such as "12.8" ("" when unknown).
+        devices: the device names, by ordinal.
+        torch_cuda: torch's CUDA version ("" for a CPU build of torch).
+        torch_sees_cuda: torch reports a usable device.
+        pinning: "works", or why a test buffer could not be pinned.
+        usable: CUDA tensors can be staged here.
+        reason: why not, in words ("" when usable).
+    """
+
+    driver_loaded: bool
+    driver_path: str
+    driver_version: str
+    devices: list[str]
+    torch_cuda: str
     torch_sees_cuda: bool
-    pinning: str  # "works", or why a test buffer could not be pinned
-    usable: bool  # CUDA tensors can be staged here
-    reason: str  # why not, in words ("" when usable)
+    pinning: str
+    usable: bool
+    reason: str
 
     def lines(self) -> list[str]:
         """The report, one fact per line."""
