@@ -22,7 +22,7 @@ from helpers import REPO_ROOT, SHM, assert_same_tree, child_env, free_port, wait
 
 # The checkout's examples (pyshmckpt itself may be installed elsewhere: REPO_ROOT is its parent).
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-RUN_TIMEOUT = 180  # seconds one run may take (5-30 s here)
+RUN_TIMEOUT = 180  # seconds one run of an example may take, generous for a busy machine
 COMMIT_TIMEOUT = 60  # seconds the writer of a killed run may take to commit its last save
 
 
@@ -91,6 +91,14 @@ def test_every_example_is_listed_with_its_command_and_run_here() -> None:
     for name in scripts:
         assert f"examples/{name}" in listed, f"examples/README.md has no command for {name}"
         assert f'"{name}"' in tests, f"no test runs {name}"
+
+
+def assert_resumed_loss_matches(out: str, step: str, reference: str) -> None:
+    """The example printed "<step>: loss X (<reference>: Y)" with X == Y: the restored state
+    trains on exactly as the state it was saved from."""
+    losses = re.search(rf"{step}: loss (\S+) \({reference}: (\S+)\)", out)
+    assert losses is not None, out
+    assert losses[1] == losses[2], losses[0]
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
@@ -182,9 +190,7 @@ def test_fsdp2_with_dcp_async_save_and_shm_stager_loads_back(tmp_path: Path) -> 
         assert state["optim"]["state"]["0.weight"]["step"].item() == step
     assert f"loaded {root / 'step-000006'} on 2 ranks" in out
     assert "parameters equal to the trained model's: True" in out
-    losses = re.search(r"next step: loss (\S+) \(the trained model: (\S+)\)", out)
-    assert losses is not None, out
-    assert losses[1] == losses[2]
+    assert_resumed_loss_matches(out, "next step", "the trained model")
 
 
 @pytest.mark.slow
@@ -228,9 +234,7 @@ def test_deepspeed_saves_through_the_shm_engine_and_resumes_from_latest(tmp_path
     assert not [p.name for p in root.iterdir() if p.name.startswith(".")]
     assert f"resumed from step 6 ({root / 'step6' / files[0]})" in out
     assert "parameters equal to the trained engine's: True" in out
-    losses = re.search(r"next step: loss (\S+) \(the trained engine: (\S+)\)", out)
-    assert losses is not None, out
-    assert losses[1] == losses[2]
+    assert_resumed_loss_matches(out, "next step", "the trained engine")
 
 
 @pytest.mark.slow
@@ -241,9 +245,7 @@ def test_accelerate_saves_with_shm_state_saver_and_resumes_the_newest(tmp_path: 
     out = run("accelerate_train.py", "--output", str(root), cwd=tmp_path)
     assert "kept (total_limit=2): checkpoint_1, checkpoint_2" in out
     assert "resumed from checkpoint_2: parameters equal to the trained model's: True" in out
-    losses = re.search(r"next epoch: loss (\S+) \(the trained model: (\S+)\)", out)
-    assert losses is not None, out
-    assert losses[1] == losses[2]
+    assert_resumed_loss_matches(out, "next epoch", "the trained model")
     assert sorted(p.name for p in root.iterdir()) == ["checkpoints"]
     assert checkpoints(root / "checkpoints") == ["checkpoint_2", "checkpoint_3"]
     saved = {}

@@ -45,12 +45,20 @@ def report():
 
 
 def scenario(driver: Path, body: str, **settings: Any) -> dict[str, Any]:
-    """Run `body` after the prelude in a child whose CUDA driver is `driver`; its `out` dict."""
+    """Run `body` after the prelude in a child whose CUDA driver is `driver`; its `out` dict.
+
+    The child runs in the double's directory: never in a checkout, whose unbuilt package would
+    shadow the installed one."""
     env = {**child_env(), "PYSHMCKPT_CUDA_DRIVER": str(driver)}
     env.update({f"PYSHMCKPT_{k.upper()}": str(v) for k, v in settings.items()})
     code = PRELUDE + textwrap.dedent(body) + "\nreport()\n"
     done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=TIMEOUT
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=driver.parent,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
     )
     results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not results:

@@ -98,7 +98,12 @@ def test_a_cuda_tensor_where_pyshmckpt_cannot_load_the_driver_is_a_typed_error(t
     )
     env = {**child_env(), "PYSHMCKPT_CUDA_DRIVER": str(tmp_path / "missing-libcuda.so.1")}
     done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     assert "PATH state_dict['model']['w']" in done.stdout, done.stdout
