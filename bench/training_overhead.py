@@ -2,16 +2,16 @@
 
     python bench/training_overhead.py [--steps 60 --every 1 5 20 --repeats 3 --plot out.png]
 
-Trains the demo's GPT on the CPU for --steps steps per run, with a checkpoint every N steps
-through each way below, and without checkpoints; runs are interleaved (every repeat runs every
-way and N in a rotating order) and each figure is the median over --repeats. With --start warm
-(the default) the ways that run a writer process have it ready before the timed steps, as in a
-job that builds its checkpointer at set-up (the start-up is a one-time cost, which
-bench/first_save.py measures); with --start cold it starts when the run does and its start-up
-(a Python interpreter importing torch on the same cores) falls inside the timed steps. Slowdown = a run's
-wall time / the median run without checkpoints - 1. A save is started every N steps and training
-goes on; before the next save (and at the end) the previous one must be durable, as a training
-loop that keeps one checkpoint in flight does.
+Trains the demo's GPT (on the CPU, or on a GPU with --device cuda) for --steps steps per run, with
+a checkpoint every N steps through each way below, and without checkpoints; runs are interleaved
+(every repeat runs every way and N in a rotating order) and each figure is the median over
+--repeats. With --start warm (the default) the ways that run a writer process have it ready before
+the timed steps, as in a job that builds its checkpointer at set-up (the start-up is a one-time
+cost, which bench/first_save.py measures); with --start cold it starts when the run does and its
+start-up (a Python interpreter importing torch on the same cores) falls inside the timed steps.
+Slowdown = a run's wall time / the median run without checkpoints - 1. A save is started every N
+steps and training goes on; before the next save (and at the end) the previous one must be
+durable, as a training loop that keeps one checkpoint in flight does.
 
   pyshmckpt   pyshmckpt.Checkpointer (safetensors files, keep_last=2)
   torch-exp   torch's _experimental DefaultStager + CheckpointProcess + CheckpointWriter
@@ -103,14 +103,16 @@ def train(args: argparse.Namespace, way: str | None, every: int, root: Path) -> 
         vocab=args.vocab, seq_len=args.seq_len, width=args.width, layers=args.layers, heads=8
     )
     torch.manual_seed(0)
-    model = gpt.GPT(config)
+    model = gpt.GPT(config).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     saver = Saver(way, root, args.start == "warm") if way is not None else None
     pending = None
     try:
         started = time.perf_counter()
         for step in range(1, args.steps + 1):
-            inputs, targets = gpt.batch(step, args.batch_size, config.seq_len, config.vocab)
+            inputs, targets = gpt.batch(
+                step, args.batch_size, config.seq_len, config.vocab, device=args.device
+            )
             loss = model.loss(inputs, targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -120,6 +122,8 @@ def train(args: argparse.Namespace, way: str | None, every: int, root: Path) -> 
                 state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
                 pending = saver.start(state)
         _wait(pending)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - started
     finally:
         if saver is not None:
@@ -140,6 +144,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
     args = parser.parse_args()
@@ -187,7 +192,9 @@ def main() -> None:
         ax.set_xscale("log")
         ax.set_xlabel("checkpoint every N steps")
         ax.set_ylabel("training slowdown (%)")
-        ax.set_title(f"GPT width {args.width}, {args.layers} layers, CPU, {args.start} start")
+        ax.set_title(
+            f"GPT width {args.width}, {args.layers} layers, {args.device}, {args.start} start"
+        )
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
