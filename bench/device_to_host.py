@@ -13,6 +13,7 @@ the host (torch's ways end with a device synchronize). The ways:
   pinned-copy  tensors pre-allocated in pinned memory, copy_(non_blocking=True) each, one sync
   dcp          DCP's DefaultStager (pinned + shared memory, non-blocking copies), steady
   dcp-first    a new DefaultStager each time, its first stage
+  torch-exp    torch's _experimental DefaultStager (pinned + shared memory), steady; and -first
   cpu          {k: v.cpu()}: pageable memory, what torch.save of a GPU state does
 """
 
@@ -25,11 +26,14 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from pyshmckpt import ShmStager
+
+import transports  # bench/transports.py: torch's experimental stager as the suite builds it
 
 GIB = 1 << 30
 
@@ -56,6 +60,32 @@ def dcp_stager() -> DefaultStager:
             use_non_blocking_copy=True,
         )
     )
+
+
+def steady_and_first(
+    make: Callable[[], Any], state: dict[str, torch.Tensor], rounds: int, first_rounds: int
+) -> tuple[float, float]:
+    """Median seconds of a torch stager's steady stage and of a new stager's first stage."""
+    stager = make()
+
+    def stage(into: Any) -> None:
+        into.stage(state)
+        torch.cuda.synchronize()
+
+    try:
+        steady = timed(lambda: stage(stager), rounds, 1)
+    finally:
+        stager.close()
+    samples = []
+    for _ in range(first_rounds):
+        fresh = make()
+        try:
+            started = time.perf_counter()
+            stage(fresh)
+            samples.append(time.perf_counter() - started)
+        finally:
+            fresh.close()
+    return steady, statistics.median(samples)
 
 
 def measure(total: int, count: int, rounds: int, first_rounds: int) -> dict[str, float]:
@@ -97,29 +127,11 @@ def measure(total: int, count: int, rounds: int, first_rounds: int) -> dict[str,
     out["pinned-copy"] = timed(pinned_copy, rounds, 2)
     pinned.clear()
 
-    stager_dcp = dcp_stager()
-
-    def dcp_stage() -> None:
-        stager_dcp.stage(state)
-        torch.cuda.synchronize()
-
-    try:
-        out["dcp"] = timed(dcp_stage, rounds, 1)
-    finally:
-        stager_dcp.close()
-
-    samples = []
-    for _ in range(first_rounds):
-        fresh_dcp = dcp_stager()
+    for way, make in (("dcp", dcp_stager), ("torch-exp", transports.torch_stager)):
         try:
-            started = time.perf_counter()
-            fresh_dcp.stage(state)
-            torch.cuda.synchronize()
-            samples.append(time.perf_counter() - started)
-        finally:
-            fresh_dcp.close()
-    out["dcp-first"] = statistics.median(samples)
-
+            out[way], out[f"{way}-first"] = steady_and_first(make, state, rounds, first_rounds)
+        except Exception as exc:  # a torch whose stager cannot stage this state: say so
+            print(f"{way}: failed: {type(exc).__name__}: {exc}")
     out["cpu"] = timed(lambda: {k: v.cpu() for k, v in state.items()}, max(3, rounds // 2), 1)
     return out
 

@@ -101,15 +101,18 @@ class _Span:
         }
 
 
-def _byte_bounds(a: np.ndarray, address: int) -> tuple[int, int]:
-    """The lowest address `a` reaches and one past its highest (`a` has elements)."""
+def _byte_bounds(
+    shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, address: int
+) -> tuple[int, int]:
+    """The lowest address an array (with elements) reaches and one past its highest, from its
+    shape, byte strides, item size and the address of its element 0."""
     lo = hi = address
-    for d, s in zip(a.shape, a.strides, strict=True):
+    for d, s in zip(shape, strides, strict=True):
         if s < 0:
             lo += (d - 1) * s
         else:
             hi += (d - 1) * s
-    return lo, hi + a.itemsize
+    return lo, hi + itemsize
 
 
 class ArrayTensors:
@@ -162,7 +165,7 @@ class ArrayTensors:
     @staticmethod
     def _span(root: np.ndarray, address: int) -> tuple[torch.UntypedStorage, int]:
         """A storage over every byte `root` (whose element 0 is at `address`) reaches."""
-        lo, hi = _byte_bounds(root, address)
+        lo, hi = _byte_bounds(root.shape, root.strides, root.itemsize, address)
         view = np.asarray(_Span(root, lo, hi - lo))
         return torch.from_numpy(view).untyped_storage(), lo
 
@@ -192,7 +195,63 @@ class ArrayTensors:
                 f"torch made a copy of {type(obj).__qualname__} instead of viewing its memory",
             )
         _wait_for_producer(interface.get("stream"), tensor.device)
-        return tensor
+        return self._over_device_root(obj, tensor)
+
+    def _over_device_root(self, obj: Any, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (viewing `obj`) moved onto one storage over the bytes of `obj`'s root (the
+        end of its ``base`` chain), so that CUDA arrays viewing one buffer stay tied; `tensor`
+        itself where `obj` has no such root or lies off the root's grid of elements."""
+        root = obj
+        while getattr(root, "base", None) is not None and hasattr(
+            type(root.base), "__cuda_array_interface__"
+        ):
+            root = root.base
+        if root is obj or not tensor.numel():
+            return tensor
+        cached = self._roots.get(id(root))
+        if cached is None:
+            interface = root.__cuda_array_interface__
+            lo, hi = _device_bounds(interface)
+            span = _DeviceSpan(root, lo, hi - lo)
+            cached = self._roots[id(root)] = (root, torch.as_tensor(span).untyped_storage(), lo)
+        _, storage, start = cached
+        address, itemsize = tensor.data_ptr(), tensor.element_size()
+        if not start <= address < start + storage.nbytes() or (address - start) % itemsize:
+            return tensor
+        view = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        return view.set_(storage, (address - start) // itemsize, tensor.shape, tensor.stride())
+
+
+class _DeviceSpan:
+    """A byte range of a CUDA array's memory, as an object torch views
+    (``__cuda_array_interface__``); it holds the array, so that its memory stays alive."""
+
+    __slots__ = ("owner", "__cuda_array_interface__")
+
+    def __init__(self, owner: Any, address: int, nbytes: int) -> None:
+        self.owner = owner
+        self.__cuda_array_interface__ = {
+            "data": (address, False),
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "strides": None,
+            "stream": None,  # ordering was done for the array this span is made for
+            "version": 3,
+        }
+
+
+def _device_bounds(interface: dict[str, Any]) -> tuple[int, int]:
+    """The lowest address a CUDA array interface reaches and one past its highest."""
+    itemsize = np.dtype(interface["typestr"]).itemsize
+    shape = tuple(interface["shape"])
+    strides = interface.get("strides")
+    if strides is None:  # C-contiguous
+        step, contiguous = itemsize, list[int]()
+        for d in reversed(shape):
+            contiguous.insert(0, step)
+            step *= d
+        strides = contiguous
+    return _byte_bounds(shape, tuple(strides), itemsize, int(interface["data"][0]))
 
 
 def _wait_for_producer(stream: Any, device: torch.device) -> None:
