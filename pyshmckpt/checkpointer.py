@@ -8,6 +8,7 @@ checkpoint directory (across ranks too).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import errno
 import itertools
@@ -22,6 +23,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from . import knobs
 from .errors import (
     ClosedError,
     CommitError,
@@ -33,9 +35,12 @@ from .errors import (
     from_os_error,
     os_error,
 )
+from .shm.native import Segment
+from .shm.stale import SHM_DIR, parent_pid, process_start_ticks, set_owner
 from .staging import ShmStager
-from .storage import commit, liveness, shared_commit, tree_codec, writer_spec
-from .transport import CheckpointProcess, CheckpointProcessConfig, RankInfo, no_init
+from .storage import commit, liveness, memory_tier, reader, shared_commit, tree_codec, writer_spec
+from .storage.memory_tier import HoldInfo
+from .transport import CheckpointProcess, CheckpointProcessConfig, RankInfo, holding, no_init
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +95,17 @@ def _run_id(given: str | None, world_size: int, process_group: Any) -> str:
     if process_group is None:
         dist.destroy_process_group(group)
     return str(drawn[0])
+
+
+def _launcher() -> tuple[int, int] | None:
+    """(pid, start ticks) of the launcher whose end ends the job: torchrun's elastic agent,
+    which starts each worker in a session of its own (the worker, or a wrapper of it, leads
+    that session, and its parent is the agent); None outside torchrun."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    agent = parent_pid(os.getsid(0))
+    ticks = process_start_ticks(agent) if agent is not None and agent > 1 else None
+    return (agent, ticks) if agent is not None and ticks is not None else None
 
 
 def _check_plain(manifest: Any) -> None:
@@ -196,6 +212,8 @@ class Checkpointer:
         process_group: Any = None,
         link_latest: bool = True,
         stall_timeout: float | None = None,
+        hold: bool = True,
+        hold_timeout: float | None = None,
     ) -> None:
         self._closed = True
         self._link_latest = bool(link_latest)
@@ -227,6 +245,18 @@ class Checkpointer:
             commit.clean_leftovers(self.root)  # other ranks' temporaries may be in progress
         self._run_id = _run_id(run_id, self.world_size, process_group)
         self._attempts = itertools.count(1)
+        self._hold = bool(hold)
+        if hold_timeout is None:
+            hold_timeout = knobs.hold_timeout()
+        if (
+            isinstance(hold_timeout, bool)
+            or not isinstance(hold_timeout, (int, float))
+            or hold_timeout < 0
+        ):
+            raise ConfigError(f"hold_timeout must be a number >= 0, not {hold_timeout!r}")
+        self._hold_timeout = float(hold_timeout)
+        self._real_root = os.path.realpath(self.root)
+        self._agent = _launcher()
         plain_only = spec.needs_plain_leaves and not self._allow_pickle
         # The first save never waits for the writer to start.
         base = CheckpointProcessConfig.starting_in_background(config)
@@ -246,13 +276,19 @@ class Checkpointer:
             if self.world_size > 1
             else None
         )
+        # A checkpoint held in memory for this root and rank (its trainer died) becomes this
+        # Checkpointer's first slot: no allocation, no copy, and it stays loadable.
+        taken = self._claim_held(capacity_bytes) if self._hold else None
+        self._taken: dict[str, Any] | None = None
         try:
             self._stager = ShmStager(
-                capacity_bytes=capacity_bytes,
+                capacity_bytes=None if taken is not None else capacity_bytes,
                 slots=slots,
                 validate=_check_plain if plain_only else None,
                 pickle_unsupported=not plain_only,
             )
+            if taken is not None:
+                self._adopt(*taken)
         except BaseException:
             self._process.close(abort=True)
             if self._heartbeat is not None:
@@ -268,11 +304,68 @@ class Checkpointer:
         )
         self._closed = False
 
+    def _claim_held(self, capacity_bytes: int | None) -> tuple[dict[str, Any], Segment] | None:
+        """Take the checkpoint held in memory for this root and rank away from the writer that
+        holds it, if its segment can serve as a slot: (record, attached segment), or None."""
+        record = memory_tier.find(self.root, self.rank)
+        if record is None:
+            return None
+        try:
+            size = int(record["segment"]["size"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if capacity_bytes is not None and size < capacity_bytes:
+            return None  # too small a slot: left to its holder (still loadable, until it ends)
+        record = memory_tier.claim(self.root, self.rank)
+        if record is None:
+            return None
+        segment_info = record["segment"]
+        try:
+            segment = Segment.attach(
+                str(segment_info["name"]), int(segment_info["size"]),
+                bytes.fromhex(segment_info["token"]), map_pages=False,
+            )  # fmt: skip
+            set_owner(segment.name, os.getpid())
+        except (OSError, KeyError, TypeError, ValueError) as exc:
+            logger.warning("cannot take over the checkpoint held in memory: %s", exc)
+            with contextlib.suppress(OSError, KeyError, TypeError):
+                (SHM_DIR / str(segment_info["name"])).unlink()
+            return None
+        return record, segment
+
+    def _adopt(self, record: dict[str, Any], segment: Segment) -> None:
+        """Make a claimed segment the first slot, held; tell the writer it is the newest."""
+        try:
+            slot = self._stager.adopt(segment)
+        except BaseException:
+            segment.unlink()
+            segment.close()
+            raise
+        self._taken = record
+        memory_tier.keep_taken(record)
+        info = self._hold_info(str(record.get("name", "")), int(record.get("staged_ns", 0)), False)
+        self._process.call(holding.adopt, record=record, info=info)
+        logger.info(
+            "took over checkpoint %s held in memory (slot %s)", record.get("name"), slot.name
+        )
+
+    def _hold_info(self, name: str, staged_ns: int, persisted: bool) -> HoldInfo:
+        return HoldInfo(
+            root=self._real_root, rank=self.rank, world_size=self.world_size, name=name,
+            staged_ns=staged_ns, persisted=persisted, timeout=self._hold_timeout,
+            agent=self._agent, allow_pickle=self._allow_pickle,
+        )  # fmt: skip
+
     def _committed(self) -> list[tuple[int, str]]:
         return commit.committed(self.root) if self.root.is_dir() else []
 
     def save(
-        self, state_dict: Any, name: str | None = None, *, overwrite: bool = False
+        self,
+        state_dict: Any,
+        name: str | None = None,
+        *,
+        overwrite: bool = False,
+        persist: bool = True,
     ) -> Future[Path]:
         """Stage `state_dict` and persist it as ``root/name`` in the background.
 
@@ -336,15 +429,26 @@ class Checkpointer:
             if not overwrite:
                 raise os_error(errno.EEXIST, f"checkpoint {target} already exists", str(target))
             commit.check_replaceable(target)
+        if not persist and not self._hold:
+            raise ConfigError("save(persist=False) keeps a checkpoint in memory: needs hold=True")
+        staged_ns = time.time_ns()
         staged = self._stager.stage(state_dict)
         extra: dict[str, Any] = {"replace": True} if overwrite else {}
         if not self._link_latest:
             extra["link_latest"] = False
         attempt = None
-        if self.world_size > 1:
+        if self.world_size > 1 and persist:
             attempt = extra["attempt"] = f"{self._run_id}.{next(self._attempts)}"
+        handle = self._stager.handle(staged) if self._hold else None
+        if handle is not None:
+            extra["hold"] = self._hold_info(name, staged_ns, persist)
         written = self._process.write(staged, str(target), **extra)
         del staged  # its slot frees itself once written and unreferenced
+        if handle is not None:  # the newest checkpoint: its slot is kept until the next save's
+            if self._taken is not None:
+                memory_tier.forget(self._taken)
+                self._taken = None
+            self._stager.hold(handle.slot)
         result: Future[Path] = Future()
 
         def done(f: Future[None]) -> None:
@@ -439,6 +543,47 @@ class Checkpointer:
         """
         return commit.latest(self.root)
 
+    def load(
+        self,
+        *,
+        into: Any = None,
+        map_location: str | Any = "cpu",
+        source: str = "auto",
+        process_group: Any = None,
+    ) -> Any:
+        """Load the newest checkpoint every rank can restore, from memory or disk.
+
+        ``pyshmckpt.load(root, ...)`` for this Checkpointer's root and rank: a checkpoint held
+        in memory for them (taken over by this Checkpointer, or still held by a writer) when
+        it is the newest, else the newest on disk. With torch.distributed initialized on
+        several ranks it is collective: every rank calls it and all restore the same
+        checkpoint.
+
+        Args:
+            into: a state dict to fill in place (see `pyshmckpt.load`).
+            map_location: the device the tensors are placed on.
+            source: ``"auto"``, ``"memory"`` or ``"disk"`` (see `pyshmckpt.load`).
+            process_group: the group the ranks agree over (None: a gloo group made for it).
+
+        Returns:
+            The state dict, or `into` once filled.
+
+        Raises:
+            ClosedError: the Checkpointer is closed.
+            CheckpointCorruptError: nothing every rank can restore, or a damaged checkpoint.
+            CheckpointMismatchError: `into` does not match the checkpoint.
+        """
+        if self._closed:
+            raise ClosedError("Checkpointer is closed")
+        import torch.distributed as dist
+
+        distributed = dist.is_available() and dist.is_initialized()
+        return reader.load(
+            self.root, rank=None if distributed else self.rank, into=into,
+            map_location=map_location, allow_pickle=self._allow_pickle, source=source,
+            process_group=process_group,
+        )  # fmt: skip
+
     def remove(self, name: str) -> Future[None]:
         """Remove the checkpoint ``root/name`` in the writer process, without blocking.
 
@@ -486,6 +631,8 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        if self._taken is not None:
+            memory_tier.forget(self._taken)
         self._finalizer.detach()
         try:
             self._process.close(abort=abort)

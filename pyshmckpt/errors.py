@@ -45,6 +45,15 @@ class PinningWarning(PyshmckptWarning):
     """
 
 
+class MemoryTierWarning(PyshmckptWarning):
+    """Issued when a restore cannot use a checkpoint held in memory: a rank's copy is missing or
+    fails its checksums, so every rank restores an older checkpoint (the message names the rank
+    and the reason).
+
+    Derives from `PyshmckptWarning`.
+    """
+
+
 # -- arguments and settings ------------------------------------------------------------------
 
 

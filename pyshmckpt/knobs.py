@@ -93,3 +93,16 @@ def copy_threads() -> int | None:
     """PYSHMCKPT_THREADS: threads for copies and prefaulting (default: min(cores, 8))."""
     raw = os.environ.get("PYSHMCKPT_THREADS")
     return _env_int("PYSHMCKPT_THREADS", 1, 1) if raw else None
+
+
+def hold_timeout() -> float:
+    """PYSHMCKPT_HOLD_TIMEOUT: seconds a writer holds the newest checkpoint in memory after its
+    trainer died, waiting for a new trainer (default 600: a launcher's restart takes its stop
+    grace period, a rendezvous and the new workers' start-up, well under ten minutes)."""
+    return _env_float("PYSHMCKPT_HOLD_TIMEOUT", 600.0, 0.0)
+
+
+def restore_timeout() -> float:
+    """PYSHMCKPT_RESTORE_TIMEOUT: seconds ranks wait for each other to agree on the checkpoint
+    they restore (default 300)."""
+    return _env_float("PYSHMCKPT_RESTORE_TIMEOUT", 300.0, 1.0)

@@ -14,6 +14,7 @@ writing into a slot keep it from being reused until they complete.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import gc
 import logging
@@ -106,6 +107,8 @@ class Slot:
         capacity: bytes of data it holds.
         populate: allocate and fault in every page now; False leaves that to a stage
             (`fill_from_host`, `reserve`) and the arena's background thread.
+        segment: an existing segment of `capacity` bytes to use instead of creating one (a
+            held checkpoint's, taken over; its pages are allocated); it is removed at close.
 
     Attributes:
         arena: the arena it belongs to.
@@ -121,12 +124,22 @@ class Slot:
         storage: torch's mapping of the whole segment.
         reserved: bytes from the slot's start whose pages are allocated.
         ready: False while its pages are still being faulted in.
+        held: True while it holds the newest checkpoint of the memory tier: no stage takes it.
+        adopted: its segment was taken over from a writer that held it (`Arena` ``adopt``).
 
     Raises:
         PyshmckptOSError: the segment cannot be created (``/dev/shm`` full, a limit reached).
     """
 
-    def __init__(self, arena: Arena, index: int, capacity: int, *, populate: bool = True) -> None:
+    def __init__(
+        self,
+        arena: Arena,
+        index: int,
+        capacity: int,
+        *,
+        populate: bool = True,
+        segment: Segment | None = None,
+    ) -> None:
         self.arena = arena
         # False while its pages are still being faulted in (see Arena): not staged into yet.
         self.ready = populate
@@ -140,10 +153,19 @@ class Slot:
         self.manifest: Any = None
         self.staged_id: int | None = None
         self.pending: list[CopyEvent] = []
-        try:
-            self.segment = Segment.create(capacity, knobs.segment_prefix(), populate)
-        except OSError as exc:
-            raise from_os_error(exc, f"cannot create a {capacity}-byte shared-memory slot") from exc
+        # Kept from the next stages while it holds the newest checkpoint (the memory tier).
+        self.held = False
+        # A segment taken over from a holding writer: this process removes it at close.
+        self.adopted = segment is not None
+        if segment is not None:
+            self.segment = segment
+        else:
+            try:
+                self.segment = Segment.create(capacity, knobs.segment_prefix(), populate)
+            except OSError as exc:
+                raise from_os_error(
+                    exc, f"cannot create a {capacity}-byte shared-memory slot"
+                ) from exc
         try:
             self.offset = int(self.segment.data_offset)
             self.storage = _torch_private.shared_fd_storage(
@@ -322,6 +344,9 @@ class Slot:
                 self.name, len(unfinished), timeout,
             )  # fmt: skip
             self.segment.keep_mapped()
+        if self.adopted:
+            with contextlib.suppress(OSError):
+                self.segment.unlink()
         self.segment.close()
 
     def __repr__(self) -> str:
@@ -365,6 +390,8 @@ class Arena:
             and a log record for those made in the background.
         background: make only the first slot usable at once and prepare the rest on a
             background thread.
+        adopt: a segment holding a checkpoint taken over from a writer (the memory tier): it
+            becomes slot 0, held, and sets the slot capacity; the other slots are made at once.
 
     Attributes:
         slot_capacity: bytes per slot, after rounding.
@@ -387,6 +414,7 @@ class Arena:
         *,
         pin: bool | None = None,
         background: bool = False,
+        adopt: Segment | None = None,
     ) -> None:
         if not isinstance(slot_capacity, int) or isinstance(slot_capacity, bool):
             raise ConfigTypeError(
@@ -411,8 +439,20 @@ class Arena:
         self._creator: threading.Thread | None = None
         # The background thread pins on the caller's device (a new thread's current one is 0).
         self._device = torch.cuda.current_device() if pin and torch.cuda.is_available() else None
+        if adopt is not None:
+            self.slot_capacity = int(adopt.size)
+            background = False  # the adopted slot is held: the others must be ready at once
         try:
-            for i in range(num_slots):
+            if adopt is not None:
+                try:
+                    adopt.allocate_pages(0, int(adopt.mapped_size))
+                except OSError as exc:
+                    raise from_os_error(exc, f"cannot take over segment {adopt.name}") from exc
+                slot = Slot(self, 0, self.slot_capacity, segment=adopt)
+                slot.held = True
+                self._pin_slot(slot)
+                self.slots.append(slot)
+            for i in range(len(self.slots), num_slots):
                 slot = self._new_slot(i, populate=not background or (i == 0 and pin))
                 slot.ready = i == 0 or not background
                 self.slots.append(slot)
@@ -561,7 +601,19 @@ class Arena:
     def _available(self, slot: Slot) -> bool:
         if slot.state is SlotState.READY and not slot.referenced():
             self._move(slot, SlotState.FREE)  # nobody holds the staged tensors any more
-        return slot.state is SlotState.FREE and not slot.copies_pending()
+        return slot.state is SlotState.FREE and not slot.held and not slot.copies_pending()
+
+    def hold(self, slot: Slot | None) -> None:
+        """Make `slot` the one slot of this arena that holds the newest checkpoint (None: no
+        slot does); a slot no longer held is free for the next stage once nothing else uses it.
+
+        Args:
+            slot: one of this arena's slots, or None.
+        """
+        with self._cond:
+            for other in self.slots:
+                other.held = other is slot
+            self._cond.notify_all()
 
     def acquire(self, generation: int, timeout: float) -> Slot:
         """Take a free slot into STAGING, waiting up to `timeout` seconds for one to free up.

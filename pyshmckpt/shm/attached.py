@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import threading
 from collections.abc import Iterable
 
@@ -18,7 +19,7 @@ import numpy as np
 from ..errors import PathNotFoundError, ProtocolError, from_os_error
 from .address import SlotAddress
 from .native import Segment
-from .stale import SHM_DIR
+from .stale import SHM_DIR, set_owner
 
 logger = logging.getLogger(__name__)
 
@@ -80,20 +81,23 @@ class AttachedSegments:
         # signal handler (the parent-death one only wakes the watch thread).
         self._lock = threading.Lock()
 
-    def sync(self, described: Iterable[tuple[str, int, bytes]]) -> None:
+    def sync(
+        self, described: Iterable[tuple[str, int, bytes]], *, close_others: bool = True
+    ) -> None:
         """Attach newly described segments ((name, data size, token), as
         `ShmStager.segments` lists them); close those no longer described (retired arenas).
 
         Each segment is attached on its own: one that cannot be (gone because the trainer closed
         its arena after describing it, or not whole because the trainer died while creating it)
         never keeps the others from being attached; a write that reads it fails in `slot()`
-        with that segment's own error."""
+        with that segment's own error. With `close_others` False, segments attached before stay
+        attached."""
         described = list(described)
         names = {name for name, _, _ in described}
         with self._lock:
-            self._known = names | set(self._segments)
+            self._known = names | set(self._segments) | (set() if close_others else self._known)
             for name in list(self._segments):
-                if name not in names:
+                if close_others and name not in names:
                     self._segments.pop(name).close()
                     self._mapped.pop(name, None)
             for name, size, token in described:
@@ -147,9 +151,21 @@ class AttachedSegments:
                 self._mapped[address.name] = wanted
             return SlotMapping(segment, address.offset)
 
-    def unlink_all(self) -> None:
-        """The trainer is gone: remove its segments so nothing is left in /dev/shm."""
+    def unlink_all(self, keep: Iterable[str] = ()) -> None:
+        """The trainer is gone: remove its segments (but those in `keep`) so that nothing is
+        left in /dev/shm."""
+        kept = set(keep)
         with self._lock:
-            for name in self._known | set(self._segments):
+            for name in (self._known | set(self._segments)) - kept:
                 with contextlib.suppress(OSError):
                     (SHM_DIR / name).unlink()
+
+    def take_ownership(self) -> None:
+        """The trainer is gone: record this process as the owner of its attached segments, so
+        that a restarted trainer's stale-segment collection leaves them while they are
+        finished or held."""
+        with self._lock:
+            names = list(self._segments)
+        for name in names:
+            with contextlib.suppress(OSError):
+                set_owner(name, os.getpid())

@@ -23,6 +23,8 @@ _MAGIC = b"PYSHMCKPT-SEG\x00\x00\x00"
 # SegmentHeader in csrc/segment.h: magic[16], version u32, header_size u32, size u64, token[16],
 # owner_pid i64, owner_start_ticks u64.
 _HEADER = struct.Struct("<16sIIQ16sqQ")
+_OWNER = struct.Struct("<qQ")  # owner_pid, owner_start_ticks
+_OWNER_OFFSET = _HEADER.size - _OWNER.size
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,50 @@ class SegmentInfo:
     size: int
     stale: bool
     reason: str
+
+
+@dataclass(frozen=True)
+class SegmentHeader:
+    """The fields of a segment's header that identify it and its owner."""
+
+    header_size: int
+    size: int
+    token: bytes
+    owner_pid: int
+    owner_start_ticks: int
+
+
+def read_header(raw: bytes) -> SegmentHeader | None:
+    """The header at the start of `raw` (a segment's first bytes), or None if it is not ours."""
+    if len(raw) < _HEADER.size or not raw.startswith(_MAGIC[:13]):
+        return None
+    _, _, header_size, size, token, pid, ticks = _HEADER.unpack(raw[: _HEADER.size])
+    return SegmentHeader(header_size, size, token, pid, ticks)
+
+
+def set_owner(name: str, pid: int) -> None:
+    """Record process `pid` (alive) as the owner of segment `name`, so that stale-segment
+    collection leaves it alone while that process lives (a writer holding a dead trainer's
+    segment, a new trainer taking a held one over).
+
+    Raises:
+        OSError: the segment cannot be opened or written.
+    """
+    ticks = process_start_ticks(pid) or 0
+    fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        os.pwrite(fd, _OWNER.pack(pid, ticks), _OWNER_OFFSET)
+    finally:
+        os.close(fd)
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of process `pid`, or None when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return int(stat[stat.rfind(")") + 2 :].split()[1])  # field 4 of the line
 
 
 def process_start_ticks(pid: int) -> int | None:

@@ -28,7 +28,7 @@ from ..errors import (
     StagingTimeoutError,
 )
 from ..shm import Arena, Slot, SlotAddress, SlotState
-from ..shm.native import set_copy_threads
+from ..shm.native import Segment, set_copy_threads
 from . import layout, planner
 from .dtensors import dtensor_type
 from .manifest import Manifest, contiguous_stride, rebuild, tensor_steps
@@ -466,6 +466,40 @@ class ShmStager(*_bases):  # type: ignore[misc]
                 self._arenas.append(arena)
             self._collect_retired()
         return arena.acquire(next(self._generations), self._slot_timeout)
+
+    def adopt(self, segment: Segment) -> Slot:
+        """Take over a segment that holds a checkpoint (the memory tier) as the first slot of
+        this stager's arena, held until `hold` names another slot: no allocation and no copy.
+        Only before the first stage, with no arena made yet.
+
+        Args:
+            segment: the attached segment (its pages are allocated if some are not).
+
+        Returns:
+            Its slot.
+
+        Raises:
+            SlotStateError: the stager has an arena already.
+            PyshmckptOSError: its pages cannot be allocated, or another slot cannot be made.
+        """
+        with self._lock:
+            if self._arenas:
+                raise SlotStateError("a stager that has an arena cannot take a segment over")
+            arena = Arena(int(segment.size), self._slots, pin=self._pin, adopt=segment)
+            self._arenas.append(arena)
+            return arena.slots[0]
+
+    def hold(self, slot: Slot | None) -> None:
+        """Keep `slot` (which holds the newest checkpoint) from the next stages, and release the
+        slot held before (None: release it alone). May be called from any thread.
+
+        Args:
+            slot: a slot of one of this stager's arenas, or None.
+        """
+        with self._lock:
+            for arena in self._arenas:
+                arena.hold(slot if slot is not None and slot.arena is arena else None)
+        self._collect_retired()
 
     def _collect_retired(self) -> None:
         with self._lock:

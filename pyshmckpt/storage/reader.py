@@ -17,12 +17,13 @@ from ..errors import (
     CheckpointCorruptError,
     ConfigError,
     CupyUnavailableError,
+    NotSupportedError,
     PickleNotAllowedError,
     from_os_error,
 )
 from ..shm.native import read_file_ranges
 from ..staging.manifest import ARRAY, CUPY
-from . import resharding, tree_codec
+from . import resharding, restore, tree_codec
 from .rank_files import (
     OpenedRank,
     check_crcs,
@@ -41,10 +42,12 @@ def load(
     map_location: str | torch.device | None = "cpu",
     verify: bool = True,
     allow_pickle: bool = False,
-    rank: int = 0,
+    rank: int | None = None,
     into: Any = None,
     mmap: bool | None = None,
     cupy_as: str = "cupy",
+    source: str = "auto",
+    process_group: Any = None,
 ) -> Any:
     """Load a checkpoint written by pyshmckpt's safetensors writer.
 
@@ -77,37 +80,59 @@ def load(
     overlap it, and a plain tensor the whole global tensor; only the file entries holding those
     bytes are read, and their checksums verified. Other leaves come from rank `rank`'s file.
 
+    A checkpoint root loads the newest checkpoint this rank can restore: the one held in shared
+    memory for this root and rank (a trainer that died, see the memory tier in `Checkpointer`),
+    when it is newer than the newest on disk or is that one, every CRC32C checked first; else the
+    newest on disk. With torch.distributed initialized on several ranks and `rank` not given,
+    loading a root is collective (every rank calls it): the ranks agree, over a gloo group of
+    their own, on the newest checkpoint every rank can restore; a rank whose memory copy is
+    missing or corrupt makes all of them take an older one, with a `MemoryTierWarning` naming
+    the rank and why.
+
     Args:
-        path: a checkpoint directory, a file in it, or a checkpoint root (its `latest`, or the
-            newest committed checkpoint).
+        path: a checkpoint directory, a file in it, or a checkpoint root (the newest checkpoint
+            in memory or on disk, see above).
         map_location: the device the tensors are placed on (None: the CPU).
         verify: check the CRC32C of every file entry, also those the target does not use.
         allow_pickle: load values that were stored pickled (trusted sources only).
-        rank: whose files to read (and, resharding, whose shards `into` holds).
+        rank: whose files to read (and, resharding, whose shards `into` holds); None: this
+            process's rank in torch.distributed (0 without it), agreeing with the other ranks.
         into: a state dict to fill in place instead of building a new one.
         mmap: map the file instead of reading it into memory (None: by `map_location`).
         cupy_as: what saved CuPy arrays come back as: ``"cupy"`` (needs CuPy and a CUDA
             device) or ``"numpy"``. Not used with `into`, whose arrays are filled as they are.
+        source: for a checkpoint root, where from: ``"auto"`` (the newest of memory and disk),
+            ``"memory"`` (only a checkpoint held in memory) or ``"disk"``.
+        process_group: the group ranks agree over (None: a gloo group made for it, bounded by
+            ``PYSHMCKPT_RESTORE_TIMEOUT``).
 
     Returns:
         The state dict, or `into` once filled.
 
     Raises:
         CheckpointCorruptError: a file is missing, damaged, or does not match its manifest
-            (naming the file and tensor), or it holds pickled values without `allow_pickle`.
+            (naming the file and tensor), or it holds pickled values without `allow_pickle`;
+            a root with nothing every rank can restore (from `source`).
         CheckpointMismatchError: `into` differs from the checkpoint in structure, shape or dtype,
             or holds an array that cannot be filled in place (read-only, a dtype torch lacks).
         CupyUnavailableError: the checkpoint holds CuPy arrays, `cupy_as` is ``"cupy"``, and
             CuPy is not installed or sees no CUDA device (nothing is read).
-        ConfigError: `cupy_as` is neither ``"cupy"`` nor ``"numpy"``.
+        ConfigError: `cupy_as` is neither ``"cupy"`` nor ``"numpy"``, `source` is not one of
+            the three, or ``"memory"`` with a path that is not a root.
+        NotSupportedError: a checkpoint held in memory with DTensors to reshard into.
         PyshmckptOSError: a file exists but cannot be opened or mapped.
     """
     if cupy_as not in ("cupy", "numpy"):
         raise ConfigError(f"cupy_as must be 'cupy' or 'numpy', not {cupy_as!r}")
-    opened = open_rank(path, rank)
+    opened, from_memory, rank = _open(path, rank, source, process_group)
     with opened.file:
         directory = opened.json_path.parent
         if into is not None and (_sharded(opened.described) or resharding.holds_dtensors(into)):
+            if from_memory:
+                raise NotSupportedError(
+                    "a checkpoint held in memory is not resharded into DTensors: load it "
+                    "without into= (each rank's local shards), or from disk (source='disk')"
+                )
             _reshard_into(opened, into, rank, verify=verify, allow_pickle=allow_pickle)
             return into
         if into is not None:
@@ -125,6 +150,27 @@ def load(
     if device.type != "cpu":
         state = _move(state, device)
     return state
+
+
+def _open(
+    path: str | os.PathLike[str], rank: int | None, source: str, process_group: Any
+) -> tuple[OpenedRank, bool, int]:
+    """The rank's files to load (from memory or disk), whether they are in memory, the rank."""
+    explicit = rank is not None
+    if rank is None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if not restore.is_root(path):
+        if source == "memory":
+            raise ConfigError("source='memory' needs a checkpoint root, not one checkpoint")
+        return open_rank(path, rank), False, rank
+    if source == "disk":
+        return open_rank(path, rank), False, rank
+    choice = restore.choose(
+        path, rank, source=source, process_group=process_group, agree=not explicit
+    )
+    return restore.open_choice(choice, rank), choice.opened is not None, rank
 
 
 def _sharded(described: dict[str, Any]) -> bool:

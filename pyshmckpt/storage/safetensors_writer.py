@@ -228,7 +228,7 @@ class SafetensorsWriter:
         tree = tree_codec.encode(manifest.tree, allow_pickle=self.allow_pickle)
         commit.commit_directory(
             path,
-            lambda temp: self._write_files(temp, slot, manifest, tree),
+            lambda temp: self._write_files(temp, slot, manifest, tree, kwargs.get("staged_ns")),
             self.keep_last,
             rank=self.rank,
             world_size=self.world_size,
@@ -244,10 +244,10 @@ class SafetensorsWriter:
             logger.warning("old checkpoints were still being deleted after 60 s")
 
     def _write_files(
-        self, directory: Path, slot: SlotMapping, manifest: Manifest, tree: Any
+        self, directory: Path, slot: SlotMapping, manifest: Manifest, tree: Any, staged_ns: Any
     ) -> list[Path]:
         try:
-            return self._write_rank_files(directory, slot, manifest, tree)
+            return self._write_rank_files(directory, slot, manifest, tree, staged_ns)
         except BaseException:
             # Free the space at once (a full disk): other ranks may still write into this directory.
             for name in file_names(self.rank):
@@ -256,7 +256,7 @@ class SafetensorsWriter:
             raise
 
     def _write_rank_files(
-        self, directory: Path, slot: SlotMapping, manifest: Manifest, tree: Any
+        self, directory: Path, slot: SlotMapping, manifest: Manifest, tree: Any, staged_ns: Any
     ) -> list[Path]:
         direct = self.direct_io and slot.address % DIRECT_IO_BLOCK == 0
         if self.direct_io and not direct:
@@ -301,6 +301,8 @@ class SafetensorsWriter:
             "tensors": plan.tensors,
             "tree": tree,
         }
+        if isinstance(staged_ns, int):  # when the save was staged: restore compares it
+            described["staged_ns"] = staged_ns
         json_path = directory / json_name
         with json_path.open("w") as f:
             json.dump(described, f, separators=(",", ":"))

@@ -38,7 +38,8 @@ from ..errors import ProtocolError, PyshmckptError, PyshmckptOSError
 from ..shm import AttachedSegments
 from ..staging import SlotViews
 from ..storage import SlotWriter, progress, writer_kind
-from . import logs
+from ..storage.memory_tier import HoldInfo
+from . import holding, logs
 from .channel import Kind, ManifestRef, Request, Response, send
 from .spool import SpoolReader
 
@@ -132,6 +133,7 @@ class _TrainerWatch:
             self.dead.wait(_NOTICE_WAIT)
             return
         self._progress = time.monotonic()  # the orphan's idle limit counts from here
+        self.attached.take_ownership()  # before a restarted trainer collects stale segments
         logs.to_stderr()  # before `dead`: whoever acts on it logs to stderr already
         self.dead.set()
         if not self.policy.finish:
@@ -159,6 +161,9 @@ class _TrainerWatch:
         with contextlib.suppress(Exception):  # writes still spooled name segments too
             for request in self.spool.read():
                 self.attached.note(n for n, _, _ in request.payload.get("segments", ()))
+        if self.dead.is_set():  # the newest checkpoint stays in memory for a new trainer
+            with contextlib.suppress(Exception):
+                holding.HOLDER.hold(self.attached)
         with contextlib.suppress(Exception):
             self.attached.unlink_all()
         os._exit(code)
@@ -365,7 +370,11 @@ def _finish_orphaned(
     requests = [r for r in requests if r.kind in (Kind.WRITE, Kind.CALL)]
     # Attach every slot now: a restarted trainer may soon collect the dead one's segment names.
     with contextlib.suppress(Exception):
-        attached.sync({s for r in requests if r.kind is Kind.WRITE for s in r.payload["segments"]})
+        attached.sync(
+            {s for r in requests if r.kind is Kind.WRITE for s in r.payload["segments"]},
+            close_others=False,  # the newest checkpoint may be in one the trainer retired
+        )
+        attached.take_ownership()
     failed = 0
     for request in requests:
         watch.busy(True)
@@ -445,6 +454,15 @@ def _serve_write(
         else:
             views.remember(address.name, manifest)
         slot = attached.slot(address, manifest.size)
+        hold: HoldInfo | None = payload["kwargs"].pop("hold", None)
+        if hold is not None:  # the newest checkpoint, held in memory if the trainer dies
+            holding.HOLDER.note(address, manifest, hold)
+            payload["kwargs"]["staged_ns"] = hold.staged_ns
+            if not hold.persisted:
+                return Response(
+                    Kind.WRITE, request.id, ok=True, generation=request.generation,
+                    payload={"write_seconds": 0.0},
+                )  # fmt: skip
         started = time.perf_counter()
         if isinstance(writer, SlotWriter):  # persists straight from shared memory
             writer.write_slot(
