@@ -13,6 +13,17 @@ from ..shm import stale
 
 
 def _gc(args: argparse.Namespace) -> int:
+    from ..storage import memory_tier
+
+    held = memory_tier.holds(args.prefix)
+    for path, record in held:
+        if not args.dry_run:
+            memory_tier.release(path, record)
+        print(
+            f"{'would free' if args.dry_run else 'freed':12s} checkpoint {record.get('name')} "
+            f"(rank {record.get('rank')} of {record.get('root')}) held in memory by pid "
+            f"{(record.get('holder') or ['?'])[0]}"
+        )
     segments = stale.list_segments(args.prefix)
     removed = stale.collect_stale_segments(args.prefix, dry_run=args.dry_run)
     removed_names = {info.name for info in removed}
@@ -51,10 +62,39 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_tiers(root: str) -> bool:
+    """The checkpoints of a root on disk and held in memory; False when there are none."""
+    import os
+    from pathlib import Path
+
+    from ..storage import commit, memory_tier
+
+    on_disk = [name for _, name in commit.committed(Path(root))] if Path(root).is_dir() else []
+    real = os.path.realpath(root)
+    in_memory = [r for _, r in memory_tier.holds() if r.get("root") == real]
+    for name in on_disk:
+        print(f"on disk    {name}")
+    for record in sorted(in_memory, key=lambda r: (r.get("rank", 0), r.get("name", ""))):
+        alive = "alive" if memory_tier.holder_alive(record) else "gone"
+        print(
+            f"in memory  {record.get('name')}  rank {record.get('rank')}  "
+            f"{int(record.get('data_bytes', 0)) / 2**20:.1f} MiB  held by pid "
+            f"{(record.get('holder') or ['?'])[0]} ({alive})"
+            + ("" if record.get("persisted") else ", not on disk")
+        )
+    if on_disk or in_memory:
+        print()
+    return bool(on_disk)
+
+
 @_checked
 def _inspect(args: argparse.Namespace) -> int:
     from ..storage.inspection import describe
     from ..storage.rank_files import ranks
+    from ..storage.restore import is_root
+
+    if is_root(args.path) and not _print_tiers(args.path):
+        return 0  # nothing on disk to describe
 
     if args.rank is not None:
         _print_rows(describe(args.path, rank=args.rank))
@@ -164,7 +204,11 @@ def _main(argv: list[str] | None) -> int:
     )
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(run=_bench)
-    gc = sub.add_parser("gc", help="remove shared-memory segments whose owner process is gone")
+    gc = sub.add_parser(
+        "gc",
+        help="free checkpoints held in memory and remove shared-memory segments whose owner "
+        "process is gone",
+    )
     gc.add_argument(
         "--prefix",
         default=None,
@@ -181,7 +225,9 @@ def _main(argv: list[str] | None) -> int:
     )
     verify.set_defaults(run=_verify)
     inspect = sub.add_parser(
-        "inspect", help="list a checkpoint's tensors, dtypes, shapes and bytes"
+        "inspect",
+        help="list a checkpoint's tensors, dtypes, shapes and bytes (for a root: first its "
+        "checkpoints on disk and held in memory)",
     )
     inspect.add_argument("path", help="a checkpoint directory, or a root (its latest)")
     inspect.add_argument(
