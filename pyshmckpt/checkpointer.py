@@ -138,7 +138,9 @@ class Checkpointer:
             "safetensors" (default: ``rankN.safetensors`` + ``rankN.json``, read by
             ``pyshmckpt.load``), "torch" (torch.save, ``checkpoint_N.pt``) or "dcp" (one rank
             only).
-        slots: shared-memory slots (2: stage the next save while one is written).
+        slots: shared-memory slots (2: stage the next save while one is written). With
+            ``hold``, one of them always keeps the newest checkpoint (the memory tier), so a
+            save waits for a slot whose write finished; the default 2 costs no more memory.
         keep_last: keep only this many committed checkpoints (None: keep all).
         allow_pickle: let the safetensors writer pickle leaves that are not plain data (None,
             bool, int, float, str, bytes and containers of them).
@@ -170,6 +172,16 @@ class Checkpointer:
         link_latest: keep the ``root/latest`` link (False: the root holds the checkpoints alone,
             as frameworks that name their own files expect; `latest`, ``pyshmckpt.load(root)``
             and ``pyshmckpt inspect`` then take the newest by commit sequence).
+        hold: keep the newest checkpoint in shared memory (the memory tier): while the trainer
+            runs, its slot is not staged into; when the trainer dies, the writer process holds
+            it for a new trainer of this root and rank, which restores it (`load`) and takes
+            the memory over as its own first slot (no allocation, no copy). The hold ends when
+            it is taken over, after ``hold_timeout``, when torchrun's elastic agent (the
+            launcher) is gone, on SIGTERM to the writer and on ``pyshmckpt gc``. A node's
+            loss loses it. None: on when ``slots`` >= 2.
+        hold_timeout: seconds a writer holds the newest checkpoint after its trainer died (None:
+            ``PYSHMCKPT_HOLD_TIMEOUT``, 600 s: a launcher's restart of its workers takes far
+            less, and an abandoned hold gives its memory back within minutes).
         stall_timeout: seconds a save may go without the writer reporting progress before it
             counts as hung (the writer is killed, the save fails with `WriteStalledError`); a slow
             save that keeps moving is never cut short (None: the config's
@@ -183,7 +195,8 @@ class Checkpointer:
     Raises:
         ConfigError: an argument or ``PYSHMCKPT_*`` variable has a value not accepted: a
             ``keep_last`` or ``slots`` below 1, a ``barrier_timeout``, ``stall_timeout`` or
-            ``capacity_bytes`` not positive, an unknown writer, ``direct_io`` with a writer other
+            ``capacity_bytes`` not positive, a ``hold_timeout`` below 0, ``hold=True`` with one
+            slot, an unknown writer, ``direct_io`` with a writer other
             than "safetensors", a rank outside the world size, a missing or malformed
             ``run_id``, an unusable ``process_group``, an invalid ``config`` field.
         ConfigTypeError: ``rank``, ``world_size`` or ``capacity_bytes`` is not an int, or
@@ -212,7 +225,7 @@ class Checkpointer:
         process_group: Any = None,
         link_latest: bool = True,
         stall_timeout: float | None = None,
-        hold: bool = True,
+        hold: bool | None = None,
         hold_timeout: float | None = None,
     ) -> None:
         self._closed = True
@@ -245,6 +258,10 @@ class Checkpointer:
             commit.clean_leftovers(self.root)  # other ranks' temporaries may be in progress
         self._run_id = _run_id(run_id, self.world_size, process_group)
         self._attempts = itertools.count(1)
+        if hold is None:  # holding the newest checkpoint needs a second slot to stage into
+            hold = isinstance(slots, int) and slots >= 2
+        elif hold and isinstance(slots, int) and slots < 2:
+            raise ConfigError("hold=True needs slots >= 2: one holds the newest checkpoint")
         self._hold = bool(hold)
         if hold_timeout is None:
             hold_timeout = knobs.hold_timeout()
@@ -384,9 +401,14 @@ class Checkpointer:
             overwrite: replace an existing pyshmckpt checkpoint of that name atomically once the
                 new one is durable (the name always holds one complete checkpoint); anything
                 else of that name is never replaced.
+            persist: write it to disk; False keeps it in shared memory only (the memory tier,
+                needs ``hold``): it costs the staging alone, survives the trainer's death (not
+                the node's), and `load` restores it while it is the newest. A persisted save is
+                held in memory too.
 
         Returns:
-            A Future that resolves to the committed checkpoint's path once it is durable,
+            A Future that resolves to the committed checkpoint's path once it is durable (with
+                ``persist=False``: to ``root/name`` once the writer holds it; nothing is there),
                 or fails with that save's error: `WriterOSError` (an `OSError` in the
                 writer: a full disk; errno EEXIST when a save of that name was committed
                 meanwhile), `WriterError` (the writer raised something else),
@@ -403,7 +425,8 @@ class Checkpointer:
             PathNotFoundError: the root no longer exists.
             PathNotADirectoryError: the root is not a directory.
             AccessDeniedError: the root is not writable.
-            ConfigError: `name` is not a valid checkpoint name.
+            ConfigError: `name` is not a valid checkpoint name, or ``persist=False`` without
+                ``hold``.
             PathExistsError: `name` exists and `overwrite` is False, or it exists and is not a
                 pyshmckpt checkpoint.
             UnsupportedValueError: a value cannot be staged, or a leaf is not plain data while
