@@ -214,6 +214,8 @@ mapping, writable and zero-copy; the mapping stays valid while any exported view
            py::call_guard<py::gil_scoped_release>(),
            "cuMemHostRegister the mapping in chunks; False (see pin_error) when it cannot be pinned.")
       .def("unpin", &Segment::unpin, py::call_guard<py::gil_scoped_release>())
+      .def("disown", &Segment::disown,
+           "Leave the segment's name in place at close: another process takes it over.")
       .def("keep_mapped", &Segment::keep_mapped,
            "Device copies may still land: never unpin or unmap the mapping from now on.")
       .def_property_readonly("kept_mapped", &Segment::kept_mapped)

@@ -90,6 +90,9 @@ class Segment {
   // completed cannot be known): from now on it is never unpinned or unmapped, only unlinked and
   // its descriptor closed, so that a late copy cannot write into memory reused for something else.
   void keep_mapped() noexcept { keep_mapped_ = true; }
+  // Another process takes the segment over (a writer holding the checkpoint in it after this
+  // process's death): from now on close() leaves its name, like a segment attached by name.
+  void disown() noexcept { owner_ = false; }
   bool kept_mapped() const noexcept { return keep_mapped_; }
 
  private:

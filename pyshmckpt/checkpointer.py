@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import secrets
+import sys
 import threading
 import time
 import weakref
@@ -106,6 +107,13 @@ def _launcher() -> tuple[int, int] | None:
     agent = parent_pid(os.getsid(0))
     ticks = process_start_ticks(agent) if agent is not None and agent > 1 else None
     return (agent, ticks) if agent is not None and ticks is not None else None
+
+
+def _dying_of_an_exception() -> bool:
+    """Whether the interpreter is ending because of an uncaught exception (it was printed)."""
+    return (
+        getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
+    )
 
 
 def _check_plain(manifest: Any) -> None:
@@ -317,8 +325,9 @@ class Checkpointer:
         # Finalizers run newest first at interpreter exit: without this one (made last), the
         # stager's would unlink the slots before the process's finished the saves reading them.
         self._finalizer = weakref.finalize(
-            self, Checkpointer._finalize, self._process, self._stager, self._heartbeat
-        )
+            self, Checkpointer._finalize, self._process, self._stager, self._heartbeat,
+            self._hold,
+        )  # fmt: skip
         self._closed = False
 
     def _claim_held(self, capacity_bytes: int | None) -> tuple[dict[str, Any], Segment] | None:
@@ -666,9 +675,22 @@ class Checkpointer:
 
     @staticmethod
     def _finalize(
-        process: CheckpointProcess, stager: ShmStager, heartbeat: liveness.Heartbeat | None
+        process: CheckpointProcess,
+        stager: ShmStager,
+        heartbeat: liveness.Heartbeat | None,
+        hold: bool,
     ) -> None:
-        """Finish the pending saves, then free the slots (never raises: at exit or collection)."""
+        """Finish the pending saves, then free the slots (never raises: at exit or collection).
+
+        An interpreter ending with an uncaught exception (an NCCL error, say) is a trainer's
+        death: with `hold`, the writer is left to notice it, finish the saves and hold the
+        newest checkpoint, as after a kill; the slots stay for it."""
+        if hold and _dying_of_an_exception():
+            process.leave()
+            stager.detach()
+            if heartbeat is not None:
+                heartbeat.stop(remove=True)
+            return
         try:
             process.close()
         except Exception as exc:  # noqa: BLE001 - a finalizer has no caller to raise to

@@ -467,6 +467,15 @@ class ShmStager(*_bases):  # type: ignore[misc]
             self._collect_retired()
         return arena.acquire(next(self._generations), self._slot_timeout)
 
+    def detach(self) -> None:
+        """Leave the arenas as they are for good (the process is ending, and another process
+        takes their segments over): nothing is unlinked, now or at exit."""
+        self._finalizer.detach()
+        self._closed = True
+        for arena in self._arenas:
+            for slot in arena.slots:
+                slot.segment.disown()
+
     def adopt(self, segment: Segment) -> Slot:
         """Take over a segment that holds a checkpoint (the memory tier) as the first slot of
         this stager's arena, held until `hold` names another slot: no allocation and no copy.

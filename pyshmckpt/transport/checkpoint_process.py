@@ -457,6 +457,17 @@ class CheckpointProcess:
         if errors:
             raise CleanupError(errors)
 
+    def leave(self) -> None:
+        """The trainer is ending without a close (an uncaught exception at exit): leave the
+        writer process to notice its death and do what it does then (finish the writes it was
+        handed; hold the newest checkpoint in memory). Nothing is closed or freed here."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        if self._stager is not None:
+            self._stager.detach()
+
     def __enter__(self) -> CheckpointProcess:
         return self
 

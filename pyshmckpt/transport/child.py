@@ -163,7 +163,8 @@ class _TrainerWatch:
                 self.attached.note(n for n, _, _ in request.payload.get("segments", ()))
         if self.dead.is_set():  # the newest checkpoint stays in memory for a new trainer
             with contextlib.suppress(Exception):
-                holding.HOLDER.hold(self.attached)
+                if holding.HOLDER.hold(self.attached):
+                    os._exit(code)  # the hold ended: its segment was freed, or a new trainer's
         with contextlib.suppress(Exception):
             self.attached.unlink_all()
         os._exit(code)
