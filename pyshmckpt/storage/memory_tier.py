@@ -26,7 +26,7 @@ import mmap
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,9 +35,11 @@ from ..errors import CheckpointCorruptError, from_os_error
 from ..shm.stale import SHM_DIR, process_start_ticks, read_header
 from ..staging import Manifest
 from . import tree_codec
-from .rank_files import OpenedRank
 from .safetensors_header import build_header, parse_header
 from .safetensors_writer import FORMAT, FORMAT_VERSION, plan_file
+
+if TYPE_CHECKING:  # rank_files imports torch, which the writer process never loads
+    from .rank_files import OpenedRank
 
 logger = logging.getLogger(__name__)
 
@@ -264,6 +266,8 @@ def open_held(record: dict[str, Any], source: str = "memory") -> OpenedRank:
         described = record["described"]
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointCorruptError(source, f"malformed hold record: {exc}") from None
+    from .rank_files import OpenedRank
+
     if "/" in name or not isinstance(described, dict):
         raise CheckpointCorruptError(source, "malformed hold record")
     path = SHM_DIR / name

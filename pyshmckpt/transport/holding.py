@@ -25,13 +25,15 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..shm import AttachedSegments, SlotAddress
 from ..shm.stale import process_start_ticks, set_owner
-from ..staging import Manifest
 from ..storage import memory_tier
 from ..storage.memory_tier import HoldInfo
+
+if TYPE_CHECKING:
+    from ..staging import Manifest
 
 logger = logging.getLogger(__name__)
 
