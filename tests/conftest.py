@@ -23,6 +23,10 @@ SHM = Path("/dev/shm")
 # concurrent test sessions never count or remove each other's segments.
 SESSION_PREFIX = f"pyshmckpt-t{os.getpid()}"
 os.environ["PYSHMCKPT_SEGMENT_PREFIX"] = SESSION_PREFIX
+# A writer whose trainer died holds the newest checkpoint in memory for a new trainer (the memory
+# tier): for 0 s in the tests of everything else, which wait for such writers to exit; the tests
+# of the memory tier pass their own hold timeout.
+os.environ["PYSHMCKPT_HOLD_TIMEOUT"] = "0"
 # Segments made directly with the native default prefix by this process.
 DIRECT_PREFIX = f"pyshmckpt-{os.getpid()}-"
 
