@@ -39,7 +39,7 @@ step build.log 240 "$py" -m pip install --no-build-isolation --no-deps . || exit
 (cd /tmp && "$py" -m pyshmckpt cuda-info) >>"$out/env.txt" 2>&1
 tail -n 12 "$out/env.txt"
 step gpu-tests.log 120 "${pytest[@]}" -m gpu -v tests/staging/test_stager_gpu.py \
-    tests/staging/test_arrays.py tests/test_arrays_checkpoint.py
+    tests/staging/test_arrays.py tests/test_arrays_checkpoint.py tests/test_memory_tier_gpu.py
 step d2h.txt 150 "$py" bench/device_to_host.py
 step sanitizer.log 180 compute-sanitizer --tool memcheck --error-exitcode 9 \
     "${pytest[@]}" -q -x tests/staging/test_stager_gpu.py -k "not cannot_load"
