@@ -32,6 +32,7 @@ import numpy as np
 
 from .. import knobs
 from ..errors import CheckpointCorruptError, from_os_error
+from ..shm.native import Segment
 from ..shm.stale import SHM_DIR, process_start_ticks, read_header
 from ..staging import Manifest
 from . import tree_codec
@@ -294,3 +295,45 @@ def open_held(record: dict[str, Any], source: str = "memory") -> OpenedRank:
         f.close()
         raise
     return OpenedRank(Path(source), path, described, header, mapped, f)
+
+
+def check(record: dict[str, Any], opened: OpenedRank) -> None:
+    """Check the CRC32C of every entry of a held checkpoint, in one pass of the native thread
+    pool over the segment (GIL released).
+
+    Raises:
+        CheckpointCorruptError: an entry's bytes do not match (naming the entry), or the
+            segment cannot be attached.
+    """
+    from .rank_files import expected_crcs
+
+    segment_info = record["segment"]
+    header = opened.header
+    expected = expected_crcs(opened.st_path, header, opened.described.get("entries"))
+    names = [name for name in header.entries if name in expected]
+    rows = np.array(
+        [
+            (header.data_start + header.entries[n].begin,
+             header.entries[n].end - header.entries[n].begin)
+            for n in names
+        ],
+        dtype=np.uint64,
+    ).reshape(-1, 2)  # fmt: skip
+    try:
+        segment = Segment.attach(
+            str(segment_info["name"]), int(segment_info["size"]),
+            bytes.fromhex(segment_info["token"]), map_pages=False,
+        )  # fmt: skip
+    except OSError as exc:
+        raise CheckpointCorruptError(str(opened.st_path), f"cannot attach: {exc}") from None
+    try:
+        got = segment.checksums(rows).tolist() if len(rows) else []
+    finally:
+        segment.close()
+    for name, crc in zip(names, got, strict=True):
+        if crc != expected[name]:
+            raise CheckpointCorruptError(
+                str(opened.st_path),
+                f"checksum mismatch ({crc:#010x} != {expected[name]:#010x})",
+                tensor=name,
+            )

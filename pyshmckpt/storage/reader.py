@@ -124,11 +124,39 @@ def load(
     """
     if cupy_as not in ("cupy", "numpy"):
         raise ConfigError(f"cupy_as must be 'cupy' or 'numpy', not {cupy_as!r}")
-    opened, from_memory, rank = _open(path, rank, source, process_group)
+    opened, memory, rank = _open(path, rank, source, process_group)
+    kwargs = {"map_location": map_location, "allow_pickle": allow_pickle, "into": into,
+              "mmap": mmap, "cupy_as": cupy_as}  # fmt: skip
+    if memory != "unverified":  # from disk, or a memory copy whose every checksum was checked
+        return _load_opened(
+            opened, rank, verify=verify and not memory, memory=bool(memory), **kwargs
+        )
+    try:  # one pass over the held bytes: checked as they are copied out
+        return _load_opened(opened, rank, verify=True, memory=True, **kwargs)
+    except CheckpointCorruptError as exc:
+        if source == "memory":
+            raise
+        restore.unusable(rank, str(exc))
+    return _load_opened(open_rank(path, rank), rank, verify=verify, memory=False, **kwargs)
+
+
+def _load_opened(
+    opened: OpenedRank,
+    rank: int,
+    *,
+    verify: bool,
+    memory: bool,
+    map_location: str | torch.device | None,
+    allow_pickle: bool,
+    into: Any,
+    mmap: bool | None,
+    cupy_as: str,
+) -> Any:
+    """`load` of one rank's opened files (from memory when `memory`)."""
     with opened.file:
         directory = opened.json_path.parent
         if into is not None and (_sharded(opened.described) or resharding.holds_dtensors(into)):
-            if from_memory:
+            if memory:
                 raise NotSupportedError(
                     "a checkpoint held in memory is not resharded into DTensors: load it "
                     "without into= (each rank's local shards), or from disk (source='disk')"
@@ -154,8 +182,9 @@ def load(
 
 def _open(
     path: str | os.PathLike[str], rank: int | None, source: str, process_group: Any
-) -> tuple[OpenedRank, bool, int]:
-    """The rank's files to load (from memory or disk), whether they are in memory, the rank."""
+) -> tuple[OpenedRank, str, int]:
+    """The rank's files to load, where they are ("" on disk, "verified" or "unverified" in
+    memory: checked already, or to be checked as they are read), and the rank."""
     explicit = rank is not None
     if rank is None:
         import torch.distributed as dist
@@ -164,13 +193,15 @@ def _open(
     if not restore.is_root(path):
         if source == "memory":
             raise ConfigError("source='memory' needs a checkpoint root, not one checkpoint")
-        return open_rank(path, rank), False, rank
+        return open_rank(path, rank), "", rank
     if source == "disk":
-        return open_rank(path, rank), False, rank
+        return open_rank(path, rank), "", rank
     choice = restore.choose(
         path, rank, source=source, process_group=process_group, agree=not explicit
     )
-    return restore.open_choice(choice, rank), choice.opened is not None, rank
+    if choice.opened is None:
+        return restore.open_choice(choice, rank), "", rank
+    return choice.opened, "verified" if choice.verified else "unverified", rank
 
 
 def _sharded(described: dict[str, Any]) -> bool:

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 from .. import knobs
 from ..errors import CheckpointCorruptError, ConfigError, MemoryTierWarning
 from . import commit, memory_tier
-from .rank_files import OpenedRank, check_crcs, open_rank
+from .rank_files import OpenedRank, open_rank
 from .safetensors_writer import file_names
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class Choice(NamedTuple):
     name: str
     opened: OpenedRank | None  # from memory
     directory: Path | None  # from disk
+    verified: bool = False  # the memory copy's checksums were checked already
 
 
 def is_root(path: str | os.PathLike[str]) -> bool:
@@ -78,9 +79,14 @@ def choose(
     if source not in SOURCES:
         raise ConfigError(f"source must be one of {', '.join(SOURCES)}, not {source!r}")
     root = Path(root)
-    held, record, status = _held(root, rank) if source != "disk" else (None, None, "not asked")
+    # Several ranks agree on what every rank can restore: each memory copy is checked first.
+    # Alone, a rank checks its copy as it reads it (one pass), falling back to disk if it fails.
+    check = agree and _ranks() > 1
+    held, record, status = (
+        _held(root, rank, check=check) if source != "disk" else (None, None, "not asked")
+    )
     options = _options(root, rank, record, source)
-    everyone = _gather(rank, options, status, process_group) if agree else None
+    everyone = _gather(rank, options, status, process_group) if check else None
     views = everyone if everyone is not None else [(rank, options, status)]
     common = set.intersection(*({o.name for o in opts} for _, opts, _ in views))
     if not common:
@@ -108,7 +114,7 @@ def choose(
         warnings.warn(message, MemoryTierWarning, stacklevel=3)
     if held is not None and any(o.memory and o.name == name for o in options):
         logger.info("restoring %s (rank %d) from memory", name, rank)
-        return Choice(name, held, None)
+        return Choice(name, held, None, verified=check)
     if held is not None:
         held.file.close()
     if source == "memory":
@@ -116,31 +122,37 @@ def choose(
     return Choice(name, None, root / name)
 
 
-def _held(root: Path, rank: int) -> tuple[OpenedRank | None, dict[str, Any] | None, str]:
-    """This rank's checkpoint held in memory, opened and every CRC32C checked, and its hold
-    record; or None, None and why not."""
+def _ranks() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _held(
+    root: Path, rank: int, *, check: bool
+) -> tuple[OpenedRank | None, dict[str, Any] | None, str]:
+    """This rank's checkpoint held in memory, opened (with `check`, every CRC32C checked), and
+    its hold record; or None, None and why not."""
     record = memory_tier.find(root, rank)
     if record is None:
         return None, None, "none held in memory"
     try:
         opened = memory_tier.open_held(record)
     except CheckpointCorruptError as exc:
-        return None, None, _unusable(record, exc)
-    try:
-        view = memoryview(opened.mapped)
+        return None, None, unusable(rank, f"its memory copy of {record.get('name')}: {exc}")
+    if check:
         try:
-            check_crcs(opened.st_path, view, opened.header, opened.described.get("entries"))
-        finally:
-            view.release()
-    except CheckpointCorruptError as exc:
-        opened.file.close()
-        return None, None, _unusable(record, exc)
+            memory_tier.check(record, opened)
+        except CheckpointCorruptError as exc:
+            opened.file.close()
+            return None, None, unusable(rank, f"its memory copy of {record.get('name')}: {exc}")
     return opened, record, f"holds {record.get('name')} in memory"
 
 
-def _unusable(record: dict[str, Any], exc: CheckpointCorruptError) -> str:
-    reason = f"its memory copy of {record.get('name')} is unusable: {exc}"
-    message = f"rank {record.get('rank')}: {reason}; it restores from disk"
+def unusable(rank: int, reason: str) -> str:
+    """Warn that rank `rank`'s memory copy cannot be used (and why); the reason, for the other
+    ranks."""
+    message = f"rank {rank}: {reason}; restoring from disk"
     logger.warning("%s", message)
     warnings.warn(message, MemoryTierWarning, stacklevel=4)
     return reason
