@@ -1,0 +1,144 @@
+"""One rank of test_memory_restart.py, run by ``torchrun --nproc-per-node 2 --max-restarts 1``.
+
+    memory_restart_worker.py ROOT OUT MODE
+
+Trains a small MLP with AdamW on two ranks (seeded initialization, fixed batches per step and
+rank, gradients averaged over the ranks) for steps 1..FINAL_STEP, saving step DISK_STEP to disk
+and step MEMORY_STEP in shared memory only (``persist=False``).
+
+    kill       on the first attempt, rank 1 SIGKILLs itself once both ranks' saves of
+               MEMORY_STEP have returned; rank 0 waits in a barrier, which fails (an uncaught
+               exception) unless the agent stops rank 0 first: either way its writer keeps the
+               checkpoint, as rank 1's does. The restarted attempt restores with
+               ``pyshmckpt.load(root)`` (MEMORY_STEP, from memory: not on disk), trains on, and
+               ends without closing its Checkpointer after a memory-only save, so that its
+               writer holds that checkpoint until torchrun's agent exits.
+    straight   the same training without a kill (the reference); closes its Checkpointer.
+
+Every attempt writes ``OUT/MODE-attempt<N>-rank<R>.json`` (where it resumed from, what the root
+held on disk, whether a checkpoint was held in memory for it); after step FINAL_STEP, each rank
+writes its model and optimizer state to ``OUT/MODE-rank<R>.pt``. Checkpoint collectives (the
+run id, the restore's agreement) use a gloo group of their own.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import pyshmckpt
+from pyshmckpt.storage import commit, memory_tier
+
+DISK_STEP = 2
+MEMORY_STEP = 4
+FINAL_STEP = MEMORY_STEP + 1
+TIMEOUT = 60.0  # seconds a save may take (well under one here)
+HANG_TIMEOUT = 150  # seconds after which a rank prints every thread's stack and exits
+
+
+def name_of(step: int) -> str:
+    return f"step{step}"
+
+
+def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4)
+    )
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    """One step on this rank's fixed batch of `step`, gradients averaged over the ranks."""
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    inputs, targets = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    loss = torch.nn.functional.mse_loss(model(inputs), targets)
+    optimizer.zero_grad()
+    loss.backward()
+    for p in model.parameters():
+        assert p.grad is not None
+        dist.all_reduce(p.grad)  # a sum of two: the same bits whatever the order
+        p.grad.div_(dist.get_world_size())
+    optimizer.step()
+
+
+def state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}
+
+
+def report(out: Path, stem: str, **fields: Any) -> None:
+    path = out / f"{stem}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(fields))
+    path.with_suffix(".tmp").replace(path)
+
+
+def main() -> None:
+    root, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    faulthandler.dump_traceback_later(HANG_TIMEOUT, exit=True)  # a hang fails with its stacks
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    group = dist.new_group(backend="gloo")  # checkpoint collectives never meet training's
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    # Resume when an earlier attempt left a root; every rank looks before any rank creates it.
+    resume = torch.tensor([int(root.is_dir())])
+    dist.all_reduce(resume, op=dist.ReduceOp.MAX)
+    held = memory_tier.find(root, rank) is not None
+    checkpointer = pyshmckpt.Checkpointer(root, process_group=group, barrier_timeout=TIMEOUT)
+    model, optimizer = build()
+    first = 1
+    seen: dict[str, Any] = {}
+    if resume.item():
+        started = time.monotonic()
+        loaded = pyshmckpt.load(root, process_group=group)
+        model.load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optim"])
+        first = int(loaded["step"]) + 1
+        seen = {
+            "resumed_from": int(loaded["step"]),
+            "load_seconds": time.monotonic() - started,
+            # From memory: the restored step was never written to disk.
+            "on_disk": sorted(p.name for p in root.iterdir() if not p.name.startswith(".")),
+            "committed": [name for _, name in commit.committed(root)],
+        }
+        del loaded
+    steps = {"disk": DISK_STEP, "memory": MEMORY_STEP, "final": FINAL_STEP}
+    report(out, f"{mode}-attempt{attempt}-rank{rank}", held=held, steps=steps, **seen)
+    for step in range(first, FINAL_STEP + 1):
+        train_step(model, optimizer, step)
+        if step == DISK_STEP:
+            state = state_of(model, optimizer, step)
+            checkpointer.save(state, name=name_of(step)).result(timeout=TIMEOUT)
+        if step == MEMORY_STEP:
+            checkpointer.save(state_of(model, optimizer, step), name=name_of(step), persist=False)
+            if mode == "kill" and attempt == 0:
+                dist.barrier()  # both ranks' saves have returned
+                if rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                dist.barrier()  # raises once rank 1 is gone, as a survivor's collective does
+                raise SystemExit("rank 0 passed a barrier without rank 1")
+    torch.save(
+        {"model": model.state_dict(), "optim": optimizer.state_dict()},
+        out / f"{mode}-rank{rank}.pt",
+    )
+    if mode == "kill":
+        # Ends as a crash does: the writer holds this checkpoint until torchrun's agent exits.
+        checkpointer.save(
+            state_of(model, optimizer, FINAL_STEP), name=name_of(FINAL_STEP), persist=False
+        )
+        dist.barrier()
+        os._exit(0)
+    checkpointer.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
