@@ -391,7 +391,8 @@ class Arena:
         background: make only the first slot usable at once and prepare the rest on a
             background thread.
         adopt: a segment holding a checkpoint taken over from a writer (the memory tier): it
-            becomes slot 0, held, and sets the slot capacity; the other slots are made at once.
+            becomes slot 0, held, and sets the slot capacity; with `background`, the other
+            slots are prepared by the background thread at once.
 
     Attributes:
         slot_capacity: bytes per slot, after rounding.
@@ -441,7 +442,6 @@ class Arena:
         self._device = torch.cuda.current_device() if pin and torch.cuda.is_available() else None
         if adopt is not None:
             self.slot_capacity = int(adopt.size)
-            background = False  # the adopted slot is held: the others must be ready at once
         try:
             if adopt is not None:
                 try:
@@ -454,7 +454,7 @@ class Arena:
                 self.slots.append(slot)
             for i in range(len(self.slots), num_slots):
                 slot = self._new_slot(i, populate=not background or (i == 0 and pin))
-                slot.ready = i == 0 or not background
+                slot.ready = (i == 0 or not background) and not (adopt is not None and background)
                 self.slots.append(slot)
             if self.pin_error:
                 message = (
@@ -494,9 +494,11 @@ class Arena:
         most), and let it join the ring."""
         first = self.slots[0]
         with self._cond:  # after the first stage into slot 0, not during it: both need the cores
-            self._cond.wait_for(
+            self._cond.wait_for(  # (an adopted slot 0 holds a checkpoint: nothing to wait for)
                 lambda: (
-                    self.closed or (first.generation >= 0 and first.state is not SlotState.STAGING)
+                    self.closed
+                    or first.adopted
+                    or (first.generation >= 0 and first.state is not SlotState.STAGING)
                 )
             )
         if self._device is not None:

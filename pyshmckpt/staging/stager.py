@@ -494,7 +494,9 @@ class ShmStager(*_bases):  # type: ignore[misc]
         with self._lock:
             if self._arenas:
                 raise SlotStateError("a stager that has an arena cannot take a segment over")
-            arena = Arena(int(segment.size), self._slots, pin=self._pin, adopt=segment)
+            arena = Arena(
+                int(segment.size), self._slots, pin=self._pin, adopt=segment, background=True
+            )
             self._arenas.append(arena)
             return arena.slots[0]
 
