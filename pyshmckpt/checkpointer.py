@@ -370,7 +370,8 @@ class Checkpointer:
         self._taken = record
         memory_tier.keep_taken(record)
         info = self._hold_info(str(record.get("name", "")), int(record.get("staged_ns", 0)), False)
-        self._process.call(holding.adopt, record=record, info=info)
+        others = [other.name for other in slot.arena.slots if other is not slot]
+        self._process.call(holding.adopt, record=record, info=info, segments=others)
         logger.info(
             "took over checkpoint %s held in memory (slot %s)", record.get("name"), slot.name
         )

@@ -50,16 +50,19 @@ class Holder:
         self._adopted: tuple[dict[str, Any], HoldInfo] | None = None
         self._holding = False
         self._terminated = threading.Event()
+        self._others: list[str] = []  # an adopting trainer's other slots
 
     def note(self, address: SlotAddress, manifest: Manifest, info: HoldInfo) -> None:
         """A save was handed over: it is the newest checkpoint now."""
         with self._lock:
             self._newest, self._adopted = (address, manifest, info), None
 
-    def adopt(self, record: dict[str, Any], info: HoldInfo) -> None:
-        """A new trainer took a held checkpoint over: it is the newest until the next save."""
+    def adopt(self, record: dict[str, Any], info: HoldInfo, segments: list[str]) -> None:
+        """A new trainer took a held checkpoint over: it is the newest until the next save;
+        `segments` names the other slots of the trainer's arena (removed if it dies first)."""
         with self._lock:
             self._newest, self._adopted = None, (record, info)
+            self._others = list(segments)
 
     def segment(self) -> str | None:
         """The name of the segment the newest checkpoint is in (None: nothing to hold)."""
@@ -92,6 +95,7 @@ class Holder:
                 return False
             name = str(record["segment"]["name"])
             set_owner(name, os.getpid())
+            attached.note(self._others)
             attached.unlink_all(keep={name})
             path = memory_tier.publish(record, os.getpid(), info.agent, info.timeout)
         except Exception:
@@ -149,9 +153,10 @@ class Holder:
 HOLDER = Holder()
 
 
-def adopt(record: dict[str, Any], info: HoldInfo) -> None:
-    """Called in the writer (``CheckpointProcess.call``) by a trainer that took `record` over."""
-    HOLDER.adopt(record, info)
+def adopt(record: dict[str, Any], info: HoldInfo, segments: list[str]) -> None:
+    """Called in the writer (``CheckpointProcess.call``) by a trainer that took `record` over;
+    `segments`: the other slots of its arena."""
+    HOLDER.adopt(record, info, segments)
 
 
 def _alive(process: tuple[int, int]) -> bool:
