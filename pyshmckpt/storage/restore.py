@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .. import knobs
-from ..errors import CheckpointCorruptError, ConfigError, MemoryTierWarning
+from ..errors import CheckpointCorruptError, ConfigError, MemoryTierWarning, from_os_error
 from . import commit, memory_tier
 from .rank_files import OpenedRank, open_rank
 from .safetensors_writer import file_names
@@ -53,9 +53,12 @@ class Choice(NamedTuple):
 def is_root(path: str | os.PathLike[str]) -> bool:
     """Whether `path` is a checkpoint root (not one checkpoint, nor a file of one)."""
     p = Path(path)
-    if p.is_file():
-        return False
-    return not (p.is_dir() and (p / commit.COMMIT_RECORD).exists())
+    try:
+        if p.is_file():
+            return False
+        return not (p.is_dir() and (p / commit.COMMIT_RECORD).exists())
+    except OSError as exc:  # a directory on the way this user cannot search
+        raise from_os_error(exc, f"cannot reach {p}") from None
 
 
 def choose(
