@@ -194,6 +194,7 @@ def test_torch_private_names_only_in_one_module():
     )
 
 
+@pytest.mark.optimize  # the premise of the python -O pass, checked in it too
 def test_no_assert_statements_in_the_package():
     """Validation must hold under python -O, which strips assert statements."""
     found = [

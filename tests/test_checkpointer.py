@@ -79,6 +79,7 @@ class Schedule:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.optimize
 def test_save_returns_a_snapshot_the_source_may_change_at_once(shared, trained):
     from conftest import train_step
 
@@ -121,6 +122,7 @@ def test_latest_follows_the_newest_checkpoint(shared):
     assert not hidden(root)
 
 
+@pytest.mark.optimize
 def test_existing_and_invalid_names_are_rejected_at_once(shared):
     root = shared.root
     path = shared.save({"x": torch.ones(4)}, name="taken").result(timeout=SAVE_TIMEOUT)
@@ -155,6 +157,7 @@ def test_a_name_queued_twice_fails_only_the_second_save(shared):
     assert not hidden(root)
 
 
+@pytest.mark.optimize
 def test_leaves_that_need_pickle_are_refused_without_allow_pickle(shared):
     root = shared.root
     names = visible(root)
@@ -377,6 +380,7 @@ def test_overwrite_replaces_a_checkpoint_atomically_and_nothing_else(tmp_path, w
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.optimize
 def test_disk_full_fails_that_save_only(tmp_path):
     with small_tmpfs(tmp_path / "small") as root, opened(root) as ck:
         fits = {"w": torch.full((75_000,), 1.0), "step": 1}  # 300 KB
