@@ -643,7 +643,7 @@ def test_gc_frees_a_held_checkpoint(gc_job, monkeypatch):
         }
 
         done = subprocess.run(
-            [sys.executable, "-m", "pyshmckpt", "gc"],
+            [sys.executable, "-m", "pyshmckpt", "gc"], cwd=root.parent,  # not the checkout's
             capture_output=True, text=True, env=child_env(), timeout=RUN_TIMEOUT,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr

@@ -27,11 +27,13 @@ from . import resharding, restore, tree_codec
 from .rank_files import (
     OpenedRank,
     check_crcs,
+    checkpoint_dir,
     expected_crcs,
     open_rank,
     ranks,
     tensors_of,
 )
+from .safetensors_writer import file_names
 
 logger = logging.getLogger(__name__)
 
@@ -193,15 +195,25 @@ def _open(
     if not restore.is_root(path):
         if source == "memory":
             raise ConfigError("source='memory' needs a checkpoint root, not one checkpoint")
+        rank = rank if explicit else _saved_rank(checkpoint_dir(path), rank)
         return open_rank(path, rank), "", rank
     if source == "disk":
+        rank = rank if explicit else _saved_rank(checkpoint_dir(path), rank)
         return open_rank(path, rank), "", rank
     choice = restore.choose(
         path, rank, source=source, process_group=process_group, agree=not explicit
     )
     if choice.opened is None:
+        if not explicit and choice.directory is not None:
+            rank = _saved_rank(choice.directory, rank)
         return restore.open_choice(choice, rank), "", rank
     return choice.opened, "verified" if choice.verified else "unverified", rank
+
+
+def _saved_rank(directory: Path, rank: int) -> int:
+    """This process's rank where the checkpoint holds its files, else rank 0 (a checkpoint
+    saved by fewer ranks, or by rank 0 alone: resharding reads every rank's files anyway)."""
+    return rank if (directory / file_names(rank)[1]).exists() else 0
 
 
 def _sharded(described: dict[str, Any]) -> bool:

@@ -97,7 +97,8 @@ def choose(
             held.file.close()
         reasons = "; ".join(f"rank {r}: {s}" for r, _, s in views)
         raise CheckpointCorruptError(
-            str(root), f"no checkpoint that every rank can restore from {source} ({reasons})"
+            str(root),
+            f"checkpoint missing: none that every rank can restore from {source} ({reasons})",
         )
     staged = {o.name: o.staged_ns for _, opts, _ in views for o in opts}
     name = max(common, key=lambda n: (staged[n], n))
