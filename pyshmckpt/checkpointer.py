@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import secrets
+import socket
 import sys
 import threading
 import time
@@ -39,9 +40,27 @@ from .errors import (
 from .shm.native import Segment
 from .shm.stale import SHM_DIR, parent_pid, process_start_ticks, set_owner
 from .staging import ShmStager
-from .storage import commit, liveness, memory_tier, reader, shared_commit, tree_codec, writer_spec
+from .storage import (
+    commit,
+    liveness,
+    memory_tier,
+    peer_wire,
+    reader,
+    shared_commit,
+    tree_codec,
+    writer_spec,
+)
 from .storage.memory_tier import HoldInfo
-from .transport import CheckpointProcess, CheckpointProcessConfig, RankInfo, holding, no_init
+from .transport import (
+    CheckpointProcess,
+    CheckpointProcessConfig,
+    RankInfo,
+    holding,
+    no_init,
+    replication,
+    topology,
+)
+from .transport.replication import ReplicaConfig
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +209,15 @@ class Checkpointer:
         hold_timeout: seconds a writer holds the newest checkpoint after its trainer died (None:
             ``PYSHMCKPT_HOLD_TIMEOUT``, 600 s: a launcher's restart of its workers takes far
             less, and an abandoned hold gives its memory back within minutes).
+        replicate: copy each checkpoint held in memory into the memory of a rank on another
+            node (its buddy: the same local rank on the next node), writer to writer over TCP,
+            beside the persist and after the trainer's death alike; a save's Future (and
+            `wait`) resolves once the replica is held there too, every CRC32C checked (a
+            replica that cannot be made leaves the save standing, with a `ReplicationWarning`).
+            A restore on a replaced node fetches its ranks' checkpoints from there. Needs
+            ``hold`` and torch.distributed; collective (every rank constructs its
+            Checkpointer), and it waits for the writer process to start. On one node it does
+            nothing (logged).
         stall_timeout: seconds a save may go without the writer reporting progress before it
             counts as hung (the writer is killed, the save fails with `WriteStalledError`); a slow
             save that keeps moving is never cut short (None: the config's
@@ -204,9 +232,10 @@ class Checkpointer:
         ConfigError: an argument or ``PYSHMCKPT_*`` variable has a value not accepted: a
             ``keep_last`` or ``slots`` below 1, a ``barrier_timeout``, ``stall_timeout`` or
             ``capacity_bytes`` not positive, a ``hold_timeout`` below 0, ``hold=True`` with one
-            slot, an unknown writer, ``direct_io`` with a writer other
-            than "safetensors", a rank outside the world size, a missing or malformed
-            ``run_id``, an unusable ``process_group``, an invalid ``config`` field.
+            slot, ``replicate=True`` without ``hold`` or torch.distributed, an unknown writer,
+            ``direct_io`` with a writer other than "safetensors", a rank outside the world
+            size, a missing or malformed ``run_id``, an unusable ``process_group``, an invalid
+            ``config`` field.
         ConfigTypeError: ``rank``, ``world_size`` or ``capacity_bytes`` is not an int, or
             ``config`` is neither pyshmckpt's nor torch's ``CheckpointProcessConfig``.
         NotSupportedError: a single-process writer ("dcp") with ``world_size`` above 1.
@@ -235,8 +264,10 @@ class Checkpointer:
         stall_timeout: float | None = None,
         hold: bool | None = None,
         hold_timeout: float | None = None,
+        replicate: bool = False,
     ) -> None:
         self._closed = True
+        self._replica_port: socket.socket | None = None
         self._link_latest = bool(link_latest)
         if keep_last is not None and (
             isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
@@ -282,6 +313,8 @@ class Checkpointer:
         self._hold_timeout = float(hold_timeout)
         self._real_root = os.path.realpath(self.root)
         self._agent = _launcher()
+        if replicate and not self._hold:
+            raise ConfigError("replicate=True replicates the checkpoint held in memory: needs hold")
         plain_only = spec.needs_plain_leaves and not self._allow_pickle
         # The first save never waits for the writer to start.
         base = CheckpointProcessConfig.starting_in_background(config)
@@ -301,6 +334,15 @@ class Checkpointer:
             if self.world_size > 1
             else None
         )
+        self._replica: ReplicaConfig | None = None
+        if replicate:
+            try:
+                self._replica = self._replicate(process_group)
+            except BaseException:
+                self._process.close(abort=True)
+                if self._heartbeat is not None:
+                    self._heartbeat.stop(remove=True)
+                raise
         # A checkpoint held in memory for this root and rank (its trainer died) becomes this
         # Checkpointer's first slot: no allocation, no copy, and it stays loadable.
         taken = self._claim_held(capacity_bytes) if self._hold else None
@@ -329,6 +371,53 @@ class Checkpointer:
             self._hold,
         )  # fmt: skip
         self._closed = False
+
+    def _replicate(self, process_group: Any) -> ReplicaConfig | None:
+        """Learn the nodes and this rank's buddy with the other ranks (collective), and have
+        the writer listen for replicas; the config each save hands over (None: one node)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or self.world_size < 2:
+            raise ConfigError(
+                "replicate=True copies checkpoints to another node: it needs torch.distributed "
+                "initialized with several ranks"
+            )
+        address = peer_wire.node_address()
+        try:
+            self._replica_port = topology.reserve_port(address)
+        except OSError as exc:
+            raise from_os_error(exc, f"cannot listen for replicas on {address}") from None
+        port = int(self._replica_port.getsockname()[1])
+        group = process_group if process_group is not None else dist.new_group(backend="gloo")
+        try:
+            peers, secret = topology.exchange(
+                self.rank, topology.Peer(self.rank, address, port), group
+            )
+        finally:
+            if process_group is None:
+                dist.destroy_process_group(group)
+        buddy = topology.buddy(self.rank, peers)
+        if buddy is None:
+            logger.warning("replicate=True, but every rank runs on one node: nothing is replicated")
+        config = ReplicaConfig(
+            listen=(address, port),
+            buddy=(buddy.address, buddy.port) if buddy is not None else None,
+            buddy_rank=buddy.rank if buddy is not None else None,
+            secret=secret, timeout=knobs.replica_timeout(), hold_timeout=self._hold_timeout,
+            agent=self._agent,
+        )  # fmt: skip
+        # Listening before the first save: another node's first replica may come sooner.
+        self._process.call(replication.listen, config=config).result(
+            timeout=knobs.replica_timeout()
+        )
+        if buddy is not None:
+            logger.info(
+                "replicating rank %d's checkpoints to rank %d (%s)",
+                self.rank,
+                buddy.rank,
+                buddy.address,
+            )
+        return config
 
     def _claim_held(self, capacity_bytes: int | None) -> tuple[dict[str, Any], Segment] | None:
         """Take the checkpoint held in memory for this root and rank away from the writer that
@@ -475,6 +564,8 @@ class Checkpointer:
         handle = self._stager.handle(staged) if self._hold else None
         if handle is not None:
             extra["hold"] = self._hold_info(name, staged_ns, persist)
+            if self._replica is not None:
+                extra["replicate"] = self._replica
         written = self._process.write(staged, str(target), **extra)
         del staged  # its slot frees itself once written and unreferenced
         if handle is not None:  # the newest checkpoint: its slot is kept until the next save's
@@ -673,6 +764,8 @@ class Checkpointer:
             self._stager.close()
             if self._heartbeat is not None:
                 self._heartbeat.stop(remove=True)
+            if self._replica_port is not None:
+                self._replica_port.close()
 
     @staticmethod
     def _finalize(

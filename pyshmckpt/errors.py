@@ -57,6 +57,14 @@ class MemoryTierWarning(PyshmckptWarning):
 # -- arguments and settings ------------------------------------------------------------------
 
 
+class ReplicationWarning(PyshmckptWarning):
+    """Issued when a checkpoint could not be replicated to its buddy node (unreachable, refused,
+    or the replica failed its checksums there): the save itself stands, on this node only.
+
+    Derives from `PyshmckptWarning`.
+    """
+
+
 class ConfigError(PyshmckptError, ValueError):
     """Raised when an argument or setting (including a ``PYSHMCKPT_*`` environment variable)
     has a value pyshmckpt does not accept: a negative timeout, an unknown writer name, an
@@ -250,6 +258,14 @@ def from_os_error(exc: OSError, context: str) -> PyshmckptOSError:
 
 
 # -- the writer process ----------------------------------------------------------------------
+
+
+class ReplicationError(PyshmckptError, ConnectionError):
+    """Raised when checkpoint bytes cannot be exchanged with a peer node: it cannot be reached,
+    it did not authenticate (a peer without the job's secret gets nothing), or it broke off.
+
+    Derives from `PyshmckptError` and `ConnectionError`.
+    """
 
 
 class WriterStartError(PyshmckptError, RuntimeError):

@@ -106,3 +106,15 @@ def restore_timeout() -> float:
     """PYSHMCKPT_RESTORE_TIMEOUT: seconds ranks wait for each other to agree on the checkpoint
     they restore (default 300)."""
     return _env_float("PYSHMCKPT_RESTORE_TIMEOUT", 300.0, 1.0)
+
+
+def replica_timeout() -> float:
+    """PYSHMCKPT_REPLICA_TIMEOUT: seconds one checkpoint's replication to its buddy node may take,
+    its connection included (default 120: a buddy's writer that starts later is waited for)."""
+    return _env_float("PYSHMCKPT_REPLICA_TIMEOUT", 120.0, 1.0)
+
+
+def replica_address() -> str | None:
+    """PYSHMCKPT_REPLICA_ADDRESS: the IPv4 address this node's writers listen on for replicas and
+    that names this node (default: the local address of the route to MASTER_ADDR)."""
+    return os.environ.get("PYSHMCKPT_REPLICA_ADDRESS") or None

@@ -20,7 +20,8 @@ def _gc(args: argparse.Namespace) -> int:
         if not args.dry_run:
             memory_tier.release(path, record)
         print(
-            f"{'would free' if args.dry_run else 'freed':12s} checkpoint {record.get('name')} "
+            f"{'would free' if args.dry_run else 'freed':12s} "
+            f"{'replica' if record.get('replica') else 'checkpoint'} {record.get('name')} "
             f"(rank {record.get('rank')} of {record.get('root')}) held in memory by pid "
             f"{(record.get('holder') or ['?'])[0]}"
         )
@@ -76,11 +77,13 @@ def _print_tiers(root: str) -> bool:
         print(f"on disk    {name}")
     for record in sorted(in_memory, key=lambda r: (r.get("rank", 0), r.get("name", ""))):
         alive = "alive" if memory_tier.holder_alive(record) else "gone"
+        where = "replica   " if record.get("replica") else "in memory "
         print(
-            f"in memory  {record.get('name')}  rank {record.get('rank')}  "
+            f"{where} {record.get('name')}  rank {record.get('rank')}  "
             f"{int(record.get('data_bytes', 0)) / 2**20:.1f} MiB  held by pid "
             f"{(record.get('holder') or ['?'])[0]} ({alive})"
             + ("" if record.get("persisted") else ", not on disk")
+            + (", a copy of another node's rank" if record.get("replica") else "")
         )
     if on_disk or in_memory:
         print()

@@ -36,7 +36,7 @@ from ..shm.native import Segment
 from ..shm.stale import SHM_DIR, process_start_ticks, read_header
 from ..staging import Manifest
 from . import tree_codec
-from .safetensors_header import build_header, parse_header
+from .safetensors_header import build_header, expected_crcs, parse_header
 from .safetensors_writer import FORMAT, FORMAT_VERSION, plan_file
 
 if TYPE_CHECKING:  # rank_files imports torch, which the writer process never loads
@@ -119,16 +119,21 @@ def describe(
 
 
 def publish(
-    record: dict[str, Any], holder: int, agent: tuple[int, int] | None, timeout: float
+    record: dict[str, Any],
+    holder: int,
+    agent: tuple[int, int] | None,
+    timeout: float | None,
+    path: Path | None = None,
 ) -> Path:
-    """Write `record` as the hold record of its root and rank, held by process `holder` until
-    `timeout` seconds from now or the end of `agent`; returns its path."""
+    """Write `record` as the hold record of its root and rank (or at `path`), held by process
+    `holder` until `timeout` seconds from now (None: while its trainer runs) or the end of
+    `agent`; returns its path."""
     record = dict(record)
     ticks = process_start_ticks(holder)
     record["holder"] = [holder, ticks or 0]
     record["agent"] = list(agent) if agent is not None else None
-    record["deadline"] = time.time() + timeout
-    path = record_path(record["root"], record["rank"])
+    record["deadline"] = None if timeout is None else time.time() + timeout
+    path = record_path(record["root"], record["rank"]) if path is None else path
     temp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     data = json.dumps(record, separators=(",", ":")).encode()
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -145,8 +150,8 @@ def publish(
     return path
 
 
-def _read_record(path: Path) -> dict[str, Any] | None:
-    """A hold record, or None when `path` is missing, not this user's, open to others or not a
+def read_record(path: Path) -> dict[str, Any] | None:
+    """A hold (or replica) record, or None when `path` is missing, not this user's, open to others or not a
     record."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -179,7 +184,7 @@ def find(root: str | os.PathLike[str], rank: int) -> dict[str, Any] | None:
     """The hold record of (root, rank) (one this process took over included), or None."""
     path = record_path(root, rank)
     taken = _TAKEN.get(str(path))
-    return taken if taken is not None else _read_record(path)
+    return taken if taken is not None else read_record(path)
 
 
 def keep_taken(record: dict[str, Any]) -> None:
@@ -193,16 +198,18 @@ def forget(record: dict[str, Any]) -> None:
 
 
 def holds(prefix: str | None = None) -> list[tuple[Path, dict[str, Any]]]:
-    """Every hold record of this user's in ``/dev/shm``: (path, record)."""
+    """Every hold record of this user's in ``/dev/shm``, replicas of other nodes' ranks
+    included (their records say ``"replica": true``): (path, record)."""
     prefix = knobs.segment_prefix() if prefix is None else prefix
     out = []
     with contextlib.suppress(FileNotFoundError):
-        for path in sorted(SHM_DIR.glob(f"{prefix}-held-*")):
-            if path.name.endswith(".tmp"):
-                continue
-            record = _read_record(path)
-            if record is not None:
-                out.append((path, record))
+        for kind in ("held", "replica"):
+            for path in sorted(SHM_DIR.glob(f"{prefix}-{kind}-*")):
+                if path.name.endswith((".tmp", ".claimed", ".released")):
+                    continue
+                record = read_record(path)
+                if record is not None:
+                    out.append((path, record))
     return out
 
 
@@ -216,7 +223,7 @@ def claim(root: str | os.PathLike[str], rank: int) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     try:
-        return _read_record(taken)
+        return read_record(taken)
     finally:
         with contextlib.suppress(OSError):
             taken.unlink()
@@ -305,35 +312,48 @@ def check(record: dict[str, Any], opened: OpenedRank) -> None:
         CheckpointCorruptError: an entry's bytes do not match (naming the entry), or the
             segment cannot be attached.
     """
-    from .rank_files import expected_crcs
-
     segment_info = record["segment"]
-    header = opened.header
-    expected = expected_crcs(opened.st_path, header, opened.described.get("entries"))
-    names = [name for name in header.entries if name in expected]
-    rows = np.array(
-        [
-            (header.data_start + header.entries[n].begin,
-             header.entries[n].end - header.entries[n].begin)
-            for n in names
-        ],
-        dtype=np.uint64,
-    ).reshape(-1, 2)  # fmt: skip
+    names, rows, expected = entry_rows(record, str(opened.st_path))
     try:
         segment = Segment.attach(
             str(segment_info["name"]), int(segment_info["size"]),
-            bytes.fromhex(segment_info["token"]), map_pages=False,
+            bytes.fromhex(segment_info["token"]), map_pages=True,
         )  # fmt: skip
     except OSError as exc:
         raise CheckpointCorruptError(str(opened.st_path), f"cannot attach: {exc}") from None
     try:
-        got = segment.checksums(rows).tolist() if len(rows) else []
+        array = np.array(rows, dtype=np.uint64).reshape(-1, 2)
+        got = segment.checksums(array).tolist() if rows else []
     finally:
         segment.close()
-    for name, crc in zip(names, got, strict=True):
-        if crc != expected[name]:
+    for name, crc, want in zip(names, got, expected, strict=True):
+        if crc != want:
             raise CheckpointCorruptError(
-                str(opened.st_path),
-                f"checksum mismatch ({crc:#010x} != {expected[name]:#010x})",
+                str(opened.st_path), f"checksum mismatch ({crc:#010x} != {want:#010x})",
                 tensor=name,
-            )
+            )  # fmt: skip
+
+
+def entry_rows(
+    record: dict[str, Any], source: str
+) -> tuple[list[str], list[tuple[int, int]], list[int]]:
+    """The entries of a held checkpoint: their names, (offset from the segment's start, length)
+    and recorded CRC32C (no torch needed: a writer process calls this).
+
+    Raises:
+        CheckpointCorruptError: the record is malformed or lacks a checksum.
+    """
+    try:
+        header_bytes = base64.b64decode(record["header"])
+        data_bytes, offset = int(record["data_bytes"]), int(record["segment"]["offset"])
+        recorded = record["described"].get("entries")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointCorruptError(source, f"malformed hold record: {exc}") from None
+    header = parse_header(source, io.BytesIO(header_bytes), len(header_bytes) + data_bytes)
+    expected = expected_crcs(Path(source), header, recorded)
+    names = list(expected)
+    rows = [
+        (offset + header.entries[n].begin, header.entries[n].end - header.entries[n].begin)
+        for n in names
+    ]
+    return names, rows, [expected[n] for n in names]

@@ -20,7 +20,7 @@ from ..errors import CheckpointCorruptError, from_os_error
 from ..shm.native import copy_threads, crc32c
 from ..staging.manifest import ARRAY, ARRAY_DTYPES, DTYPES, PARAMETER, REQUIRES_GRAD
 from . import commit
-from .safetensors_header import parse_header
+from .safetensors_header import expected_crcs, parse_header
 from .safetensors_writer import FORMAT, file_names
 
 
@@ -69,31 +69,6 @@ def check_crcs(
             raise CheckpointCorruptError(
                 str(st_path), f"checksum mismatch ({got:#010x} != {crc:#010x})", tensor=name
             )
-
-
-def expected_crcs(
-    st_path: Path, header: Any, recorded: Any, only: set[str] | None = None
-) -> dict[str, int]:
-    """The recorded CRC32C of every entry of the file (of those in `only`, when given), in the
-    header's order; raises when one is missing on either side."""
-    if not isinstance(recorded, dict):
-        raise CheckpointCorruptError(str(st_path), "the manifest records no checksums")
-    expected = {}
-    for name in header.entries:
-        if only is not None and name not in only:
-            continue
-        crc = recorded.get(name, {}).get("crc32c") if isinstance(recorded.get(name), dict) else None
-        if type(crc) is not int:
-            raise CheckpointCorruptError(str(st_path), "no checksum recorded", tensor=name)
-        expected[name] = crc
-    missing = set(recorded) - set(header.entries)
-    if only is not None:
-        missing &= only
-    if missing:
-        raise CheckpointCorruptError(
-            str(st_path), "entry missing from the file", tensor=sorted(missing)[0]
-        )
-    return expected
 
 
 def tensors_of(

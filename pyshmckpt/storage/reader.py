@@ -17,7 +17,6 @@ from ..errors import (
     CheckpointCorruptError,
     ConfigError,
     CupyUnavailableError,
-    NotSupportedError,
     PickleNotAllowedError,
     from_os_error,
 )
@@ -28,11 +27,11 @@ from .rank_files import (
     OpenedRank,
     check_crcs,
     checkpoint_dir,
-    expected_crcs,
     open_rank,
     ranks,
     tensors_of,
 )
+from .safetensors_header import expected_crcs
 from .safetensors_writer import file_names
 
 logger = logging.getLogger(__name__)
@@ -81,15 +80,18 @@ def load(
     (any mesh, any number of ranks) gets its local shard filled from whichever saved shards
     overlap it, and a plain tensor the whole global tensor; only the file entries holding those
     bytes are read, and their checksums verified. Other leaves come from rank `rank`'s file.
+    A copy held in memory holds one rank's shards only: it fills DTensors sharded as when it was
+    saved, and refuses (`NotSupportedError`) a target that needs other ranks' shards.
 
     A checkpoint root loads the newest checkpoint this rank can restore: the one held in shared
     memory for this root and rank (a trainer that died, see the memory tier in `Checkpointer`),
     when it is newer than the newest on disk or is that one, every CRC32C checked first; else the
     newest on disk. With torch.distributed initialized on several ranks and `rank` not given,
     loading a root is collective (every rank calls it): the ranks agree, over a gloo group of
-    their own, on the newest checkpoint every rank can restore; a rank whose memory copy is
-    missing or corrupt makes all of them take an older one, with a `MemoryTierWarning` naming
-    the rank and why.
+    their own, on the newest checkpoint every rank can restore, from its own memory, from
+    another node's (a replica, see ``Checkpointer(replicate=True)``, fetched over an
+    authenticated connection and checked), or from disk; a rank whose copy is missing or corrupt
+    makes all of them take an older one, with a `MemoryTierWarning` naming the rank and why.
 
     Args:
         path: a checkpoint directory, a file in it, or a checkpoint root (the newest checkpoint
@@ -121,7 +123,9 @@ def load(
             CuPy is not installed or sees no CUDA device (nothing is read).
         ConfigError: `cupy_as` is neither ``"cupy"`` nor ``"numpy"``, `source` is not one of
             the three, or ``"memory"`` with a path that is not a root.
-        NotSupportedError: a checkpoint held in memory with DTensors to reshard into.
+        NotSupportedError: a checkpoint held in memory loaded `into` DTensors (or tensors)
+            that need bytes of other ranks' shards (another world size or sharding: a memory
+            copy holds only this rank's shards; nothing is written then).
         PyshmckptOSError: a file exists but cannot be opened or mapped.
     """
     if cupy_as not in ("cupy", "numpy"):
@@ -158,12 +162,11 @@ def _load_opened(
     with opened.file:
         directory = opened.json_path.parent
         if into is not None and (_sharded(opened.described) or resharding.holds_dtensors(into)):
-            if memory:
-                raise NotSupportedError(
-                    "a checkpoint held in memory is not resharded into DTensors: load it "
-                    "without into= (each rank's local shards), or from disk (source='disk')"
-                )
-            _reshard_into(opened, into, rank, verify=verify, allow_pickle=allow_pickle)
+            if memory:  # this rank's shards only: enough for a target sharded as they were
+                _shards_into(opened, into, rank, verify=verify, allow_pickle=allow_pickle)
+                logger.debug("loaded rank %d's shards from memory into the target", rank)
+            else:
+                _reshard_into(opened, into, rank, verify=verify, allow_pickle=allow_pickle)
             return into
         if into is not None:
             _load_into(opened, into, rank, verify=verify, allow_pickle=allow_pickle)
@@ -367,6 +370,31 @@ def _reshard_into(
             files.append(_rank_file(other, r, allow_pickle))
     resharding.fill(into, files, saved.index(rank), verify, str(directory))
     logger.debug("resharded %s (%d ranks) into the target state dict", directory, len(saved))
+
+
+def _shards_into(
+    opened: OpenedRank, into: Any, rank: int, *, verify: bool, allow_pickle: bool
+) -> None:
+    """Fill `into` (DTensors, plain tensors, leaves) from rank `rank`'s files alone: a memory
+    copy, which holds this rank's shards and no other rank's. Each DTensor's local shard must lie
+    within them (a target sharded as when it was saved): NotSupportedError otherwise, before
+    anything is written. Eligible CPU tensors are read straight from the file, as `_load_into`
+    reads them; every entry's checksum is checked when `verify`."""
+    _, st_path, described, header, _, f = opened
+    expected = expected_crcs(st_path, header, described.get("entries")) if verify else None
+    file = _rank_file(opened, rank, allow_pickle)
+    direct = _DirectReads(st_path, f, header, file, expected)
+    saved = f", saved by {described['world_size']} ranks" if "world_size" in described else ""
+    partial = (
+        f"the checkpoint held in memory holds rank {rank}'s shards only{saved}; load it from "
+        "disk (source='disk') to reshard it (another world size or sharding), or without into= "
+        "for this rank's local shards as plain tensors"
+    )
+    where = f"held in memory for rank {rank} ({st_path})"
+    resharding.fill(into, [file], 0, verify, where, direct=direct, partial=partial)
+    direct.flush()
+    if verify:
+        file.verify_entries(set(header.entries))  # those the target does not use, too
 
 
 def _read_ranges(

@@ -9,6 +9,10 @@ Replicated copies of one box are read once. Plain tensors and the other leaves c
 rank's file, as `load` reads them; the target keeps its own structure, and its leaves that are
 not tensors or containers (a learning rate, a step count) take the checkpoint's values. A NumPy
 or CuPy array of the target is filled in place through the tensor that views it, like a tensor.
+
+From fewer files than every saved rank's (a memory copy holds one rank's), a target is filled
+only where its bytes lie in those files: the target is checked first, and if any tensor needs
+bytes of the shards left out, NotSupportedError is raised before anything is written.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -114,9 +118,22 @@ def holds_dtensors(obj: Any) -> bool:
     return False
 
 
-# Offered each plain target tensor and its source before the copy: True when it takes over
-# filling the target (the copy and the checksum), False to have fill() copy it.
+# Offered each target tensor (a plain tensor, or the part of a DTensor's local shard that one
+# saved shard fills) and its source before the copy: True when it takes over filling the target
+# (the copy and the checksum), False to have fill() copy it.
 Direct = Callable[[torch.Tensor, torch.Tensor], bool]
+
+
+class _Job(NamedTuple):
+    """What a fill reads from and how (the same for every tensor of the target)."""
+
+    files: list[RankFile]
+    primary: int  # the index in `files` of the rank whose plain tensors and leaves are read
+    verify: bool
+    where: str
+    direct: Direct | None
+    partial: str | None  # why `files` are not every saved rank's (None: they are)
+    write: bool  # False: only check that the target can be filled from `files`
 
 
 def fill(
@@ -126,43 +143,47 @@ def fill(
     verify: bool,
     where: str,
     direct: Direct | None = None,
+    *,
+    partial: str | None = None,
 ) -> None:
     """Copy the checkpoint (`files`: every saved rank) into `target`, resharding as needed;
-    `direct`, when given, may take over filling plain tensors (see `Direct`)."""
-    _fill(target, [f.state for f in files], files, primary, verify, where, "state_dict", direct)
+    `direct`, when given, may take over filling target tensors (see `Direct`).
+
+    With `partial` (why `files` are only some of the saved ranks'), the whole target is checked
+    first: NotSupportedError, naming the tensor and ending with `partial`, when a tensor needs
+    bytes that lie outside `files`; nothing is written then.
+    """
+    sources = [f.state for f in files]
+    if partial is not None:
+        check = _Job(files, primary, verify, where, None, partial, write=False)
+        _fill(target, sources, check, "state_dict")
+    _fill(target, sources, _Job(files, primary, verify, where, direct, partial, True), "state_dict")
 
 
-def _fill(
-    target: Any,
-    sources: list[Any],
-    files: list[RankFile],
-    primary: int,
-    verify: bool,
-    where: str,
-    path: str,
-    direct: Direct | None,
-) -> None:
-    source = sources[primary]
+def _fill(target: Any, sources: list[Any], job: _Job, path: str) -> None:
+    source = sources[job.primary]
     if isinstance(target, torch.Tensor):
-        _fill_tensor(target, sources, files, primary, verify, path, direct)
+        _fill_tensor(target, sources, job, path)
         return
     if _is_array(target):
         if isinstance(source, torch.Tensor):
-            _fill_tensor(_array_tensor(target, path), sources, files, primary, verify, path, direct)
+            _fill_tensor(_array_tensor(target, path), sources, job, path)
         return  # (an array leaf of an older checkpoint, inside a tuple: kept, as other leaves are)
     if isinstance(target, dict):
         if not isinstance(source, dict):
             raise CheckpointMismatchError(
-                f"{path}: the checkpoint of {where} holds {type(source).__name__}, not a dict"
+                f"{path}: the checkpoint of {job.where} holds {type(source).__name__}, not a dict"
             )
         for key, value in list(target.items()):
             if key not in source:
-                raise CheckpointKeyError(f"{path}[{key!r}] is not in the checkpoint {where}")
+                raise CheckpointKeyError(f"{path}[{key!r}] is not in the checkpoint {job.where}")
             if _is_leaf(value, source[key]):
-                target[key] = _leaf(source[key], f"{path}[{key!r}]")
+                leaf = _leaf(source[key], f"{path}[{key!r}]")
+                if job.write:
+                    target[key] = leaf
                 continue
             below = [s.get(key) if isinstance(s, dict) else None for s in sources]
-            _fill(value, below, files, primary, verify, where, f"{path}[{key!r}]", direct)
+            _fill(value, below, job, f"{path}[{key!r}]")
         return
     if isinstance(target, (list, tuple)) and isinstance(source, (list, tuple)):
         if len(target) != len(source):
@@ -171,13 +192,15 @@ def _fill(
             )
         for i, value in enumerate(target):
             if _is_leaf(value, source[i]) and isinstance(target, list):
-                target[i] = _leaf(source[i], f"{path}[{i}]")
+                leaf = _leaf(source[i], f"{path}[{i}]")
+                if job.write:
+                    target[i] = leaf
                 continue
             below = [
                 s[i] if isinstance(s, (list, tuple)) and len(s) == len(source) else None
                 for s in sources
             ]
-            _fill(value, below, files, primary, verify, where, f"{path}[{i}]", direct)
+            _fill(value, below, job, f"{path}[{i}]")
 
 
 def _is_leaf(value: Any, source: Any) -> bool:
@@ -239,15 +262,8 @@ def _leaf(value: Any, path: str) -> Any:
     return value
 
 
-def _fill_tensor(
-    target: torch.Tensor,
-    sources: list[Any],
-    files: list[RankFile],
-    primary: int,
-    verify: bool,
-    path: str,
-    direct: Direct | None,
-) -> None:
+def _fill_tensor(target: torch.Tensor, sources: list[Any], job: _Job, path: str) -> None:
+    files, primary, verify, direct = job.files, job.primary, job.verify, job.direct
     source = sources[primary]
     if not isinstance(source, torch.Tensor):
         raise CheckpointMismatchError(
@@ -261,7 +277,7 @@ def _fill_tensor(
                 f"{path}: the checkpoint holds a tensor of shape {tuple(source.shape)}, "
                 f"the target {tuple(target.shape)}"
             )
-        if direct is not None and direct(target, source):
+        if not job.write or (direct is not None and direct(target, source)):
             return
         if verify:
             files[primary].verify(source)
@@ -306,14 +322,30 @@ def _fill_tensor(
         overlap = _intersect(box, piece_box)
         if overlap is None:
             continue
+        lo, hi = overlap
+        covered += math.prod(b - a for a, b in zip(lo, hi, strict=True))
+        if not job.write:
+            continue
+        if piece_box == box:  # the whole target from one whole saved shard: `direct` may read it
+            part, whole = local, piece
+        else:  # (views that `direct` never takes over, offered so that it keeps writes in order)
+            into = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box[0], strict=True))
+            out_of = tuple(
+                slice(a - o, b - o) for a, b, o in zip(lo, hi, piece_box[0], strict=True)
+            )
+            part, whole = local[into], piece[out_of]
+        if direct is not None and direct(part, whole):
+            continue
         if verify:
             file.verify(piece)
-        lo, hi = overlap
-        into = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box[0], strict=True))
-        out_of = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, piece_box[0], strict=True))
         with torch.no_grad():
-            local[into].copy_(piece[out_of])
-        covered += math.prod(b - a for a, b in zip(lo, hi, strict=True))
+            part.copy_(whole)
+    if covered < wanted and job.partial is not None:
+        raise NotSupportedError(
+            f"{path}: the target's local shard (offset {box[0]}, shape {box[1]} of the global "
+            f"{global_shape}) needs bytes of other ranks' shards: the shards read here hold "
+            f"{covered} of its {wanted} elements; {job.partial}"
+        )
     if covered != wanted:
         raise CheckpointMismatchError(
             f"{path}: the checkpoint's shards cover {covered} of the {wanted} elements this rank "

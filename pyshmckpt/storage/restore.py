@@ -21,8 +21,14 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .. import knobs
-from ..errors import CheckpointCorruptError, ConfigError, MemoryTierWarning, from_os_error
-from . import commit, memory_tier
+from ..errors import (
+    CheckpointCorruptError,
+    ConfigError,
+    MemoryTierWarning,
+    PyshmckptError,
+    from_os_error,
+)
+from . import commit, memory_tier, peer_restore, peer_wire
 from .rank_files import OpenedRank, open_rank
 from .safetensors_writer import file_names
 
@@ -89,41 +95,174 @@ def choose(
         _held(root, rank, check=check) if source != "disk" else (None, None, "not asked")
     )
     options = _options(root, rank, record, source)
-    everyone = _gather(rank, options, status, process_group) if check else None
-    views = everyone if everyone is not None else [(rank, options, status)]
-    common = set.intersection(*({o.name for o in opts} for _, opts, _ in views))
-    if not common:
-        if held is not None:
+    choice = None
+    try:
+        if check:
+            choice = _agree(root, rank, held, options, status, source, process_group)
+        else:
+            plan = _plan(root, source, [View(rank, options, status, [], None)], set())
+            choice = _mine(plan, rank, held, source, root, check=False)
+    finally:
+        if held is not None and (choice is None or choice.opened is not held):
             held.file.close()
-        reasons = "; ".join(f"rank {r}: {s}" for r, _, s in views)
+    return choice
+
+
+class View(NamedTuple):
+    """What one rank told the others: what it can restore itself, why its memory copy is or is
+    not usable, what its node holds for other ranks, and where it serves those."""
+
+    rank: int
+    options: list[Option]
+    status: str
+    offers: list[peer_restore.Offer]
+    server: tuple[str, int] | None
+
+
+class Plan(NamedTuple):
+    """The agreed checkpoint, and where each rank restores it from: ("memory", rank),
+    ("peer", serving rank) or ("disk", rank)."""
+
+    name: str
+    sources: dict[int, tuple[str, int]]
+    servers: dict[int, tuple[str, int]]
+
+
+def _agree(
+    root: Path,
+    rank: int,
+    held: OpenedRank | None,
+    options: list[Option],
+    status: str,
+    source: str,
+    process_group: Any,
+) -> Choice:
+    """Agree with the other ranks (see the module); copies from other nodes are fetched."""
+    import torch.distributed as dist
+
+    group = process_group
+    if group is None:
+        timeout = datetime.timedelta(seconds=knobs.restore_timeout())
+        group = dist.new_group(backend="gloo", timeout=timeout)
+    server = None
+    try:
+        offers: list[peer_restore.Offer] = []
+        if source != "disk":
+            offers = peer_restore.offers(root, dist.get_world_size(), rank)
+            try:
+                server = peer_restore.Server(root, peer_wire.node_address())
+            except OSError as exc:
+                logger.warning("cannot serve this node's memory copies to other nodes: %s", exc)
+        mine = View(rank, options, status, offers, server.address if server else None)
+        gathered = _all_gather(group, (tuple(mine), peer_wire.new_secret()))
+        views = [_view(v) for v, _ in gathered]
+        secret = str(gathered[0][1])
+        failed: set[tuple[int, int]] = set()  # (rank, serving rank) whose fetch failed
+        while True:
+            plan = _plan(root, source, views, failed)
+            wanted = {
+                r: plan.name
+                for r, (how, by) in plan.sources.items()
+                if how == "peer" and by == rank
+            }
+            if server is not None:
+                server.serve(wanted, secret, knobs.restore_timeout())
+            choice, reason = _fetch_or_open(plan, rank, held, root, source, secret)
+            outcomes = _all_gather(group, (rank, reason))
+            lost = {(r, plan.sources[r][1]): why for r, why in outcomes if why is not None}
+            if not lost:
+                return choice
+            if choice.opened is not None and choice.opened is not held:
+                choice.opened.file.close()
+            for (r, by), why in lost.items():
+                if r != rank:
+                    logger.warning("rank %d could not fetch its copy from rank %d: %s", r, by, why)
+            failed |= set(lost)
+    finally:
+        if server is not None:
+            server.close()
+        if process_group is None:
+            dist.destroy_process_group(group)
+
+
+def _fetch_or_open(
+    plan: Plan, rank: int, held: OpenedRank | None, root: Path, source: str, secret: str
+) -> tuple[Choice, str | None]:
+    """This rank's part of `plan`, and why it failed (None: it did not)."""
+    how, by = plan.sources[rank]
+    if how != "peer":
+        return _mine(plan, rank, held, source, root, check=True), None
+    try:
+        record, segment = peer_restore.fetch(
+            plan.servers[by], secret, rank, knobs.restore_timeout()
+        )
+        opened = peer_restore.open_fetched(record, segment)
+    except (PyshmckptError, OSError) as exc:
+        reason = unusable(rank, f"its copy of {plan.name} held on rank {by}'s node: {exc}")
+        return Choice(plan.name, None, None), reason
+    logger.info("restoring %s (rank %d) from the memory of rank %d's node", plan.name, rank, by)
+    return Choice(plan.name, opened, None, verified=True), None
+
+
+def _mine(
+    plan: Plan, rank: int, held: OpenedRank | None, source: str, root: Path, *, check: bool
+) -> Choice:
+    how, _ = plan.sources[rank]
+    if how == "memory" and held is not None:
+        logger.info("restoring %s (rank %d) from memory", plan.name, rank)
+        return Choice(plan.name, held, None, verified=check)
+    if source == "memory":
+        raise CheckpointCorruptError(str(root), f"rank {rank} holds no checkpoint in memory")
+    return Choice(plan.name, None, root / plan.name)
+
+
+def _plan(root: Path, source: str, views: list[View], failed: set[tuple[int, int]]) -> Plan:
+    """The newest checkpoint every rank can restore (from its memory, another node's, or disk),
+    and where each rank takes it from; warns when one held in memory is passed over.
+
+    Raises:
+        CheckpointCorruptError: no checkpoint every rank can restore.
+    """
+    servers = {v.rank: v.server for v in views if v.server is not None}
+    where: dict[int, dict[str, tuple[str, int]]] = {v.rank: {} for v in views}
+    staged: dict[str, int] = {}
+    for v in views:  # its own memory first, then another node's, then disk
+        for o in sorted(v.options, key=lambda o: not o.memory):
+            where[v.rank].setdefault(o.name, ("memory" if o.memory else "disk", v.rank))
+            staged[o.name] = max(staged.get(o.name, 0), o.staged_ns)
+    for v in sorted(views, key=lambda v: v.rank):
+        if v.server is None:
+            continue
+        for offer in v.offers:
+            if offer.rank in where and (offer.rank, v.rank) not in failed:
+                here = where[offer.rank].get(offer.name)
+                if here is None or here[0] == "disk":
+                    where[offer.rank][offer.name] = ("peer", v.rank)
+                staged[offer.name] = max(staged.get(offer.name, 0), offer.staged_ns)
+    common = set.intersection(*(set(names) for names in where.values()))
+    if not common:
+        reasons = "; ".join(f"rank {v.rank}: {v.status}" for v in views)
         raise CheckpointCorruptError(
             str(root),
             f"checkpoint missing: none that every rank can restore from {source} ({reasons})",
         )
-    staged = {o.name: o.staged_ns for _, opts, _ in views for o in opts}
     name = max(common, key=lambda n: (staged[n], n))
-    in_memory = [o for _, opts, _ in views for o in opts if o.memory]
-    newest = max(in_memory, key=lambda o: o.staged_ns) if in_memory else None
-    if newest is not None and newest.staged_ns > staged[name]:
+    in_memory = {n for names in where.values() for n, (how, _) in names.items() if how != "disk"}
+    newest = max(in_memory, key=lambda n: (staged[n], n)) if in_memory else None
+    if newest is not None and staged[newest] > staged[name]:
+        status = {v.rank: v.status for v in views}
         lacking = [
-            f"rank {r} ({s})"
-            for r, opts, s in views
-            if not any(o.memory and o.name == newest.name for o in opts)
+            f"rank {r} ({status[r]})"
+            for r, names in where.items()
+            if names.get(newest, ("disk",))[0] == "disk"
         ]
         message = (
-            f"restoring {name} from {root}, not {newest.name}, which is held in memory but not "
-            f"by every rank: {', '.join(lacking)}"
+            f"restoring {name} from {root}, not {newest}, which is held in memory but not "
+            f"for every rank: {', '.join(lacking)}"
         )
         logger.warning("%s", message)
-        warnings.warn(message, MemoryTierWarning, stacklevel=3)
-    if held is not None and any(o.memory and o.name == name for o in options):
-        logger.info("restoring %s (rank %d) from memory", name, rank)
-        return Choice(name, held, None, verified=check)
-    if held is not None:
-        held.file.close()
-    if source == "memory":
-        raise CheckpointCorruptError(str(root), f"rank {rank} holds no checkpoint in memory")
-    return Choice(name, None, root / name)
+        warnings.warn(message, MemoryTierWarning, stacklevel=4)
+    return Plan(name, {r: names[name] for r, names in where.items()}, servers)
 
 
 def _ranks() -> int:
@@ -137,7 +276,7 @@ def _held(
 ) -> tuple[OpenedRank | None, dict[str, Any] | None, str]:
     """This rank's checkpoint held in memory, opened (with `check`, every CRC32C checked), and
     its hold record; or None, None and why not."""
-    record = memory_tier.find(root, rank)
+    record = peer_restore.held_here(root, rank)
     if record is None:
         return None, None, "none held in memory"
     try:
@@ -184,25 +323,20 @@ def _staged_ns(directory: Path, rank: int) -> int:
     return 0
 
 
-def _gather(
-    rank: int, options: list[Option], status: str, process_group: Any
-) -> list[tuple[int, list[Option], str]] | None:
-    """Every rank's options and memory status, or None without several ranks."""
+def _all_gather(group: Any, mine: Any) -> list[Any]:
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return None
-    group = process_group
-    if group is None:
-        timeout = datetime.timedelta(seconds=knobs.restore_timeout())
-        group = dist.new_group(backend="gloo", timeout=timeout)
-    try:
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (rank, [tuple(o) for o in options], status), group=group)
-    finally:
-        if process_group is None:
-            dist.destroy_process_group(group)
-    return [(r, [Option(*o) for o in opts], s) for r, opts, s in gathered]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    return gathered
+
+
+def _view(raw: Any) -> View:
+    rank, options, status, offers, server = raw
+    return View(
+        int(rank), [Option(*o) for o in options], str(status),
+        [peer_restore.Offer(*o) for o in offers], tuple(server) if server else None,
+    )  # fmt: skip
 
 
 def open_choice(choice: Choice, rank: int) -> OpenedRank:

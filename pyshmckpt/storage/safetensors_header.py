@@ -390,3 +390,28 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         raise CheckpointCorruptError(spath, "not a regular file") from None
     with f:
         return parse_header(spath, f, os.fstat(f.fileno()).st_size)
+
+
+def expected_crcs(
+    st_path: Path, header: Any, recorded: Any, only: set[str] | None = None
+) -> dict[str, int]:
+    """The recorded CRC32C of every entry of the file (of those in `only`, when given), in the
+    header's order; raises when one is missing on either side."""
+    if not isinstance(recorded, dict):
+        raise CheckpointCorruptError(str(st_path), "the manifest records no checksums")
+    expected = {}
+    for name in header.entries:
+        if only is not None and name not in only:
+            continue
+        crc = recorded.get(name, {}).get("crc32c") if isinstance(recorded.get(name), dict) else None
+        if type(crc) is not int:
+            raise CheckpointCorruptError(str(st_path), "no checksum recorded", tensor=name)
+        expected[name] = crc
+    missing = set(recorded) - set(header.entries)
+    if only is not None:
+        missing &= only
+    if missing:
+        raise CheckpointCorruptError(
+            str(st_path), "entry missing from the file", tensor=sorted(missing)[0]
+        )
+    return expected

@@ -12,6 +12,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,6 +23,7 @@ from ..errors import (
     ClosedError,
     ConfigError,
     ConfigTypeError,
+    ReplicationWarning,
     WriterConnectionError,
     WriterDiedError,
     WriterStartTimeoutError,
@@ -602,7 +604,14 @@ class CheckpointProcess:
             if exc is not None:
                 result.set_exception(exc)
             else:
-                self.last_write_seconds = (f.result() or {}).get("write_seconds")
+                answer = f.result() or {}
+                self.last_write_seconds = answer.get("write_seconds")
+                if answer.get("replica_error"):  # the save stands: on this node only
+                    warnings.warn(
+                        f"checkpoint {path} was not replicated to another node: "
+                        f"{answer['replica_error']}",
+                        ReplicationWarning, stacklevel=2,
+                    )  # fmt: skip
                 result.set_result(None)
 
         future.add_done_callback(done)

@@ -37,10 +37,11 @@ from typing import Any
 from ..errors import ProtocolError, PyshmckptError, PyshmckptOSError
 from ..shm import AttachedSegments
 from ..staging import SlotViews
-from ..storage import SlotWriter, progress, writer_kind
+from ..storage import SlotWriter, memory_tier, progress, writer_kind
 from ..storage.memory_tier import HoldInfo
-from . import holding, logs
+from . import holding, logs, replication
 from .channel import Kind, ManifestRef, Request, Response, send
+from .replication import ReplicaConfig
 from .spool import SpoolReader
 
 logger = logging.getLogger(__name__)
@@ -163,10 +164,13 @@ class _TrainerWatch:
                 self.attached.note(n for n, _, _ in request.payload.get("segments", ()))
         if self.dead.is_set():  # the newest checkpoint stays in memory for a new trainer
             with contextlib.suppress(Exception):
-                if holding.HOLDER.hold(self.attached):
+                replicas, limits = replication.stop()
+                if holding.HOLDER.hold(self.attached, replicas, limits):
                     os._exit(code)  # the hold ended: its segment was freed, or a new trainer's
         with contextlib.suppress(Exception):
             self.attached.unlink_all()
+        with contextlib.suppress(Exception):
+            replication.release_all()
         os._exit(code)
 
     def _watchdog(self) -> None:
@@ -296,7 +300,9 @@ def writer_main(
             # A dying trainer's pipe closes before it is reparented away: give the watcher a
             # moment to see it go before taking the EOF for a channel closed from outside.
             if not (watch.dead.wait(_EOF_GRACE) or watch.parent_gone()):
-                return  # the trainer closed the channel: it restarts a writer if it needs one
+                # The trainer closed the channel: it restarts a writer if it needs one.
+                replication.release_all()
+                return
             watch.died()
             break
         if request.kind in (Kind.WRITE, Kind.CALL):
@@ -321,6 +327,8 @@ def writer_main(
                     close()
                 except BaseException:
                     error = traceback.format_exc()
+            with contextlib.suppress(Exception):  # the job ends: replicas held here too
+                replication.release_all()
             outbox.send(Response(Kind.TERMINATE, request.id, ok=error is None, error=error))
             # Done: skip the interpreter's teardown (with torch loaded it can outlast a short
             # shutdown timeout and draw a SIGTERM).
@@ -456,28 +464,33 @@ def _serve_write(
             views.remember(address.name, manifest)
         slot = attached.slot(address, manifest.size)
         hold: HoldInfo | None = payload["kwargs"].pop("hold", None)
+        replicate: ReplicaConfig | None = payload["kwargs"].pop("replicate", None)
+        replica = None
         if hold is not None:  # the newest checkpoint, held in memory if the trainer dies
             holding.HOLDER.note(address, manifest, hold)
             payload["kwargs"]["staged_ns"] = hold.staged_ns
-            if not hold.persisted:
-                return Response(
-                    Kind.WRITE, request.id, ok=True, generation=request.generation,
-                    payload={"write_seconds": 0.0},
-                )  # fmt: skip
+            if replicate is not None:  # and in the memory of a rank on another node
+                replica = _replicate(replicate, attached, address, manifest, hold)
         started = time.perf_counter()
-        if isinstance(writer, SlotWriter):  # persists straight from shared memory
-            writer.write_slot(
-                path=payload["path"], slot=slot, manifest=manifest, **payload["kwargs"]
-            )
-        else:
-            state_dict = views.rebuild(slot, manifest)
-            writer.write(path=payload["path"], state_dict=state_dict, **payload["kwargs"])
-            del state_dict
+        if hold is None or hold.persisted:
+            if isinstance(writer, SlotWriter):  # persists straight from shared memory
+                writer.write_slot(
+                    path=payload["path"], slot=slot, manifest=manifest, **payload["kwargs"]
+                )
+            else:
+                state_dict = views.rebuild(slot, manifest)
+                writer.write(path=payload["path"], state_dict=state_dict, **payload["kwargs"])
+                del state_dict
+            logger.debug("wrote %s in %.3f s", payload["path"], time.perf_counter() - started)
         elapsed = time.perf_counter() - started
-        logger.debug("wrote %s in %.3f s", payload["path"], elapsed)
+        failed = replica.wait() if replica is not None else None
+        if failed is not None:
+            logger.warning(
+                "checkpoint %s was not replicated to another node: %s", payload["path"], failed
+            )
         return Response(
             Kind.WRITE, request.id, ok=True, generation=request.generation,
-            payload={"write_seconds": elapsed},
+            payload={"write_seconds": elapsed, "replica_error": failed},
         )  # fmt: skip
     except BaseException as exc:
         logger.debug("write of %s failed: %r", payload.get("path"), exc)
@@ -485,6 +498,26 @@ def _serve_write(
             Kind.WRITE, request.id, ok=False, generation=request.generation,
             error=traceback.format_exc(), payload=_describe(exc),
         )  # fmt: skip
+
+
+def _replicate(
+    config: ReplicaConfig,
+    attached: AttachedSegments,
+    address: Any,
+    manifest: Any,
+    hold: HoldInfo,
+) -> replication.Replication | None:
+    """Start replicating a held checkpoint to the buddy writer (None: nothing to replicate to,
+    or it cannot be described; logged)."""
+    try:
+        replication.listen(config)  # a restarted writer listens again on the same port
+    except OSError as exc:
+        logger.warning("cannot listen for replicas on %s:%d: %s", *config.listen, exc)
+    if config.buddy is None:
+        return None
+    slot = attached.slot(address, manifest.size)
+    record = memory_tier.describe(manifest, slot, hold, (address.name, address.size, address.token))
+    return replication.Replication(config, record)
 
 
 def _describe(exc: BaseException) -> dict[str, Any]:

@@ -73,43 +73,62 @@ class Holder:
                 return str(self._adopted[0]["segment"]["name"])
             return None
 
-    def hold(self, attached: AttachedSegments) -> bool:
-        """The trainer is gone and its work finished: hold the newest checkpoint until the hold
-        ends (see the module), removing the trainer's other segments; False when there is
-        nothing to hold (the caller then removes every segment). Never returns True: the
-        process exits once the hold ends."""
+    def hold(
+        self,
+        attached: AttachedSegments,
+        replicas: list[tuple[Path, dict[str, Any]]] | None = None,
+        limits: tuple[float, tuple[int, int] | None] | None = None,
+    ) -> bool:
+        """The trainer is gone and its work finished: hold the newest checkpoint (and the
+        `replicas` this writer received from other nodes, held by the same rules: `limits` is
+        their (timeout, agent) when no save said) until the hold ends (see the module),
+        removing the trainer's other segments; False when there is nothing to hold (the caller
+        then removes every segment). Never returns True: the process exits once the hold ends."""
         with self._lock:
             if self._holding:  # another thread holds already and will end the process
                 while True:
                     time.sleep(3600)
             newest, adopted = self._newest, self._adopted
-            if newest is None and adopted is None:
+            if newest is None and adopted is None and not replicas:
                 return False
             self._holding = True
+        held: list[tuple[Path, dict[str, Any]]] = []
+        timeout, agent = limits if limits is not None else (0.0, None)
         try:
+            info = None
             if newest is not None:
                 record, info = self._describe(attached, newest)
             elif adopted is not None:
                 record, info = adopted
+            if info is not None:
+                timeout, agent = info.timeout, info.agent
+                name = str(record["segment"]["name"])
+                set_owner(name, os.getpid())
+                attached.note(self._others)
+                attached.unlink_all(keep={name})
+                held.append((memory_tier.publish(record, os.getpid(), agent, timeout), record))
+                logger.warning(
+                    "holding checkpoint %s (rank %d of %s) in shared memory for a new trainer, "
+                    "for up to %g s%s", info.name, info.rank, info.root, timeout,
+                    " or until the launcher ends" if agent else "",
+                )  # fmt: skip
             else:
-                return False
-            name = str(record["segment"]["name"])
-            set_owner(name, os.getpid())
-            attached.note(self._others)
-            attached.unlink_all(keep={name})
-            path = memory_tier.publish(record, os.getpid(), info.agent, info.timeout)
+                attached.unlink_all()
+            for path, replica in replicas or ():
+                if _identity(path) is not None:  # not freed by a newer replica already
+                    memory_tier.publish(replica, os.getpid(), agent, timeout, path)
+                    held.append((path, replica))
         except Exception:
             logger.exception("cannot hold the newest checkpoint in memory: removing it")
             attached.unlink_all()
+            for path, record in held + list(replicas or ()):
+                memory_tier.release(path, record)
             return False
-        logger.warning(
-            "holding checkpoint %s (rank %d of %s) in shared memory for a new trainer, for up "
-            "to %g s%s", info.name, info.rank, info.root, info.timeout,
-            " or until the launcher ends" if info.agent else "",
-        )  # fmt: skip
+        if replicas:
+            logger.warning("holding %d replica(s) of other nodes' ranks", len(replicas))
         self._watch_terminate()
         _silence_output()
-        self._wait(path, record, info)
+        self._wait(held, timeout, agent)
         return True
 
     @staticmethod
@@ -131,21 +150,28 @@ class Holder:
 
         signal.signal(signal.SIGTERM, handler)
 
-    def _wait(self, path: Path, record: dict[str, Any], info: HoldInfo) -> None:
-        deadline = time.monotonic() + info.timeout
-        identity = _identity(path)
+    def _wait(
+        self, held: list[tuple[Path, dict[str, Any]]], timeout: float, agent: tuple[int, int] | None
+    ) -> None:
+        """Until every record is claimed or replaced (nothing of it is ours then), or the hold
+        ends for all of them."""
+        deadline = time.monotonic() + timeout
+        waiting = [(path, record, _identity(path)) for path, record in held]
         while True:
-            if _identity(path) != identity:
-                return  # claimed by a new trainer, or removed by gc: nothing of it is ours
+            waiting = [w for w in waiting if _identity(w[0]) == w[2]]
+            if not waiting:
+                return
             reason = None
             if self._terminated.is_set():
                 reason = "SIGTERM"
             elif time.monotonic() >= deadline:
-                reason = f"the hold timeout ({info.timeout:g} s)"
-            elif info.agent is not None and not _alive(info.agent):
-                reason = f"the launcher (pid {info.agent[0]}) is gone"
+                reason = f"the hold timeout ({timeout:g} s)"
+            elif agent is not None and not _alive(agent):
+                reason = f"the launcher (pid {agent[0]}) is gone"
             if reason is not None:
-                memory_tier.release(path, record)
+                logger.info("the hold ends: %s", reason)
+                for path, record, _ in waiting:
+                    memory_tier.release(path, record)
                 return
             self._terminated.wait(_POLL)
 

@@ -1,17 +1,14 @@
-"""A node lost during a save: two simulated nodes (each a mount namespace with a /dev/shm of its
-own, both writing one shared root) under `torchrun`, two ranks each; node 1 is SIGKILLed whole
-(its agent, trainers and writers) while its writers hold a save. Node 0's saves fail with
-`CommitError` within seconds (the lost ranks' heartbeats stop), its `close()` returns, and a fresh
-launch of both nodes saves and loads.
+"""A node lost during a save: two simulated nodes (tests/simnodes.py: each with an address,
+a hostname and a /dev/shm of its own, both writing one shared root) under `torchrun`, two ranks
+each; node 1 is SIGKILLed whole (its agent, trainers and writers) while its writers hold a save.
+Node 0's saves fail with `CommitError` within seconds (the lost ranks' heartbeats stop), its
+`close()` returns, and a fresh launch of both nodes saves and loads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -20,13 +17,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from simnodes import Node, simulated_nodes, unavailable
 
 import pyshmckpt
 from pyshmckpt.storage import commit
 
-from helpers import child_env, free_port, wait_until
+from helpers import child_env, wait_until
 
 pytestmark = pytest.mark.slow
+
+RENDEZVOUS_PORT = 29500  # ports are per simulated node: any is free
 
 TRAINER = textwrap.dedent(
     """
@@ -79,70 +79,24 @@ TRAINER = textwrap.dedent(
 )
 
 
-def mount_namespace(pid: int) -> str:
-    return str(Path(f"/proc/{pid}/ns/mnt").readlink())
-
-
-def processes_in(namespace: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if mount_namespace(int(entry.name)) == namespace:
-                    found.append(int(entry.name))
-    return found
-
-
-def kill_node(namespace: str) -> None:
-    """SIGKILL every process of a node (its mount namespace), as a lost machine stops them all."""
-    for _ in range(20):  # a process may fork while it is killed: until none is left
-        pids = processes_in(namespace)
-        if not pids:
-            return
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.1)
-
-
 @contextlib.contextmanager
-def two_nodes(script: Path, root: Path, phase: str, reports: Path) -> Iterator[list[str]]:
-    """Start torchrun on two simulated nodes; yields their mount namespaces; kills both after."""
-    port = free_port()
-    nodes = []
-    stack = contextlib.ExitStack()
-    for node in range(2):
-        command = [
-            "unshare", "--mount", "--propagation", "private", "sh", "-c",
-            'mount -t tmpfs -o size=512m tmpfs /dev/shm || exit 77; exec "$@"', "node",
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-            "--node-rank", str(node), "--nproc-per-node", "2", "--max-restarts", "0",
-            "--master-addr", "127.0.0.1", "--master-port", str(port),
-            str(script), str(root), phase, str(reports),
-        ]  # fmt: skip
-        log = stack.enter_context((reports / f"{phase}-node{node}.log").open("w"))
-        nodes.append(
-            subprocess.Popen(command, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
-        )
-    try:
-        namespaces = []
-        for process in nodes:
-            wait_until(
-                lambda p=process: p.poll() is not None or mount_namespace(p.pid) != mount_namespace(os.getpid()),
-                30, "a node's mount namespace",
-            )  # fmt: skip
-            if process.poll() == 77:
-                pytest.skip("cannot mount a /dev/shm of its own in a mount namespace")
-            namespaces.append(mount_namespace(process.pid))
-        yield namespaces
-    finally:
-        for process in nodes:
-            with contextlib.suppress(OSError):
-                kill_node(mount_namespace(process.pid))
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            process.wait(30)
-        stack.close()
+def two_nodes(script: Path, root: Path, phase: str, reports: Path) -> Iterator[list[Node]]:
+    """Start torchrun on two fresh simulated nodes (rendezvous on node 0's address); yields the
+    nodes; every process of both is killed after."""
+    with contextlib.ExitStack() as stack:
+        outputs = [
+            stack.enter_context((reports / f"{phase}-node{i}.log").open("w")) for i in (0, 1)
+        ]
+        with simulated_nodes(2, shm_size="512m") as nodes:
+            for node, log in zip(nodes, outputs, strict=True):
+                command = [
+                    sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                    "--node-rank", str(node.index), "--nproc-per-node", "2", "--max-restarts", "0",
+                    "--master-addr", nodes[0].address, "--master-port", str(RENDEZVOUS_PORT),
+                    str(script), str(root), phase, str(reports),
+                ]  # fmt: skip
+                node.start(command, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+            yield nodes
 
 
 def reports_of(reports: Path, phase: str, ranks: list[int]) -> dict[int, dict]:
@@ -157,8 +111,9 @@ def logs(reports: Path) -> str:
 
 @pytest.mark.timeout(600)
 def test_a_node_lost_mid_save_fails_the_survivors_saves_in_seconds(tmp_path):
-    if shutil.which("unshare") is None or os.geteuid() != 0:
-        pytest.skip("simulated nodes need unshare and root (mount namespaces)")
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(reason)
     script, root, reports = tmp_path / "train.py", tmp_path / "root", tmp_path / "reports"
     script.write_text(TRAINER)
     reports.mkdir()
@@ -168,7 +123,7 @@ def test_a_node_lost_mid_save_fails_the_survivors_saves_in_seconds(tmp_path):
             300, "every rank's save() of step2 to return",
         )  # fmt: skip
         killed_at = time.time()
-        kill_node(lost)
+        lost.fail()
         wait_until(
             lambda: all("outcome" in reports_of(reports, "lose", [r])[r] for r in (0, 1)),
             120, "node 0's saves to end and its Checkpointers to close",

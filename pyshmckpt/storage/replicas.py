@@ -1,0 +1,128 @@
+"""Replicas: a rank's checkpoint held in the memory of another node, and moving one over the wire.
+
+A replica is held like a checkpoint of the memory tier (a segment, and a record in the format of
+`memory_tier` that describes it), under ``/dev/shm/<prefix>-replica-<key>-<pid>``: the key is the
+hold key of (root, rank) of the rank whose state it is, the pid the process that holds it. Each
+holder writes only records named with its own pid, so a newer replica never races an older
+holder's release for one name; `find` takes the newest valid one.
+
+`send` puts a staged checkpoint on an authenticated connection (its record, then its bytes with
+``sendfile`` from the segment); `receive` takes it into a new segment with ``recv_into`` and
+checks every entry's CRC32C before the replica counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import knobs
+from ..errors import CheckpointCorruptError, ReplicationError
+from ..shm.native import Segment
+from ..shm.stale import SHM_DIR
+from . import memory_tier, peer_wire
+
+logger = logging.getLogger(__name__)
+
+
+def replica_path(root: str | os.PathLike[str], rank: int, holder: int) -> Path:
+    """Where process `holder` keeps its record of a replica of (root, rank)."""
+    prefix = knobs.segment_prefix()
+    return SHM_DIR / f"{prefix}-replica-{memory_tier.hold_key(root, rank)}-{holder}"
+
+
+def replicas_of(root: str | os.PathLike[str], rank: int) -> list[tuple[Path, dict[str, Any]]]:
+    """This node's replicas of (root, rank), newest first."""
+    prefix = knobs.segment_prefix()
+    pattern = f"{prefix}-replica-{memory_tier.hold_key(root, rank)}-*"
+    found = []
+    with contextlib.suppress(FileNotFoundError):
+        for path in SHM_DIR.glob(pattern):
+            if path.name.rsplit("-", 1)[-1].isdigit():
+                record = memory_tier.read_record(path)
+                if record is not None:
+                    found.append((path, record))
+    return sorted(found, key=lambda pr: int(pr[1].get("staged_ns", 0)), reverse=True)
+
+
+def find(root: str | os.PathLike[str], rank: int) -> dict[str, Any] | None:
+    """The newest replica of (root, rank) on this node whose segment still exists, or None."""
+    for _, record in replicas_of(root, rank):
+        with contextlib.suppress(KeyError, TypeError):
+            if (SHM_DIR / str(record["segment"]["name"])).exists():
+                return record
+    return None
+
+
+def send(
+    sock: socket.socket, record: dict[str, Any], fd: int, deadline: peer_wire.Deadline
+) -> None:
+    """Send a held checkpoint: its record, then its `data_bytes` bytes from file `fd` (the
+    segment) at the record's offset.
+
+    Raises:
+        ReplicationError: the peer broke off or did not answer by `deadline`.
+    """
+    segment = record["segment"]
+    sent = {k: v for k, v in record.items() if k not in ("segment", "holder", "agent", "deadline")}
+    peer_wire.send_message(sock, {"kind": "replica", "record": sent})
+    peer_wire.send_file_range(sock, fd, int(segment["offset"]), int(record["data_bytes"]), deadline)
+
+
+def receive(sock: socket.socket, deadline: peer_wire.Deadline) -> tuple[dict[str, Any], Segment]:
+    """Receive a checkpoint sent by `send` into a new segment of this user's (0600) and check
+    the CRC32C of every entry; returns its record (naming that segment) and the segment.
+
+    Raises:
+        ReplicationError: the peer broke off, or sent something that is not a checkpoint.
+        CheckpointCorruptError: an entry's bytes do not match its CRC32C (the segment is gone).
+    """
+    message = peer_wire.recv_message(sock)
+    record = message.get("record")
+    if message.get("kind") != "replica" or not isinstance(record, dict):
+        raise ReplicationError("the peer sent no checkpoint")
+    try:
+        data_bytes = int(record["data_bytes"])
+        described = record["described"]
+    except (KeyError, TypeError, ValueError):
+        raise ReplicationError("the peer sent a malformed checkpoint record") from None
+    if data_bytes < 0 or not isinstance(described, dict):
+        raise ReplicationError("the peer sent a malformed checkpoint record")
+    segment = Segment.create(max(data_bytes, 1), knobs.segment_prefix(), False)
+    try:
+        start = segment.data_offset
+        with memoryview(segment) as view:
+            peer_wire.set_timeout(sock, deadline)
+            peer_wire.recv_into(sock, view[start : start + data_bytes])
+        record["segment"] = {
+            "name": segment.name, "size": segment.size, "token": segment.token.hex(),
+            "offset": start,
+        }  # fmt: skip
+        verify(record, segment)
+    except BaseException:
+        segment.unlink()
+        segment.close()
+        raise
+    return record, segment
+
+
+def verify(record: dict[str, Any], segment: Segment) -> None:
+    """Check every entry of a received checkpoint against its CRC32C (one native pass).
+
+    Raises:
+        CheckpointCorruptError: an entry does not match (naming it), or the record is malformed.
+    """
+    names, rows, expected = memory_tier.entry_rows(record, f"replica of rank {record.get('rank')}")
+    got = segment.checksums(np.array(rows, dtype=np.uint64).reshape(-1, 2)).tolist() if rows else []
+    for name, crc, want in zip(names, got, expected, strict=True):
+        if crc != want:
+            raise CheckpointCorruptError(
+                f"replica of rank {record.get('rank')}",
+                f"checksum mismatch ({crc:#010x} != {want:#010x})", tensor=name,
+            )  # fmt: skip

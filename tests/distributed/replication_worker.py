@@ -1,0 +1,144 @@
+"""One rank of test_replication.py: 2 simulated nodes x 2 ranks under ``torchrun --max-restarts 1``.
+
+    replication_worker.py ROOT OUT MODE
+
+Trains a small FSDP2 GPT with AdamW on four ranks for steps 1..FINAL_STEP, saving step
+DISK_STEP to disk and step MEMORY_STEP in shared memory only (``persist=False``), replicated to
+each rank's buddy on the other node (``Checkpointer(replicate=True)``).
+
+    lose       on the first launch, once every rank's save of MEMORY_STEP returned (its replica
+               held on the other node), ranks write OUT/saved-rank<R>.json and wait: the test
+               kills node 1 whole (its processes and its /dev/shm); node 0's ranks fail in a
+               barrier and its agent restarts them, together with node 1's ranks, which the
+               test starts again on an empty node. The restarted ranks restore with
+               ``pyshmckpt.load(root, into=...)``: MEMORY_STEP, node 0's ranks from their own
+               memory, node 1's from their replicas on node 0; then train on.
+    straight   the same training without a loss (the reference).
+
+Every attempt writes OUT/MODE-attempt-rank<R>-<pid>.json (where it resumed from); after
+FINAL_STEP each rank writes its local shards of the model and optimizer state to
+OUT/MODE-rank<R>.pt. Checkpoint collectives use a gloo group of their own.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import pyshmckpt
+from pyshmckpt.cli.demo.gpt import GPT, GPTConfig, batch
+from pyshmckpt.storage import commit
+
+CONFIG = GPTConfig(vocab=97, seq_len=8, width=36, layers=2, heads=4)
+GLOBAL_BATCH = 8
+DISK_STEP = 2
+MEMORY_STEP = 4
+FINAL_STEP = MEMORY_STEP + 1
+TIMEOUT = 120.0
+HANG_TIMEOUT = 400  # seconds after which a rank prints every thread's stack and exits
+
+
+def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    inputs, targets = batch(step, GLOBAL_BATCH, CONFIG.seq_len, CONFIG.vocab)
+    per_rank = GLOBAL_BATCH // dist.get_world_size()
+    part = slice(dist.get_rank() * per_rank, (dist.get_rank() + 1) * per_rank)
+    model.loss(inputs[part], targets[part]).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd, "step": step}
+
+
+def local(tree: Any) -> Any:
+    """The tree with each DTensor as a copy of its local shard."""
+    if isinstance(tree, dict):
+        return {k: local(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(local(v) for v in tree)
+    if hasattr(tree, "to_local"):
+        return tree.to_local().clone()
+    return tree.clone() if isinstance(tree, torch.Tensor) else tree
+
+
+def report(out: Path, stem: str, **fields: Any) -> None:
+    path = out / f"{stem}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(fields))
+    path.with_suffix(".tmp").replace(path)
+
+
+def main() -> None:
+    root, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    faulthandler.dump_traceback_later(HANG_TIMEOUT, exit=True)  # a hang fails with its stacks
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    node = int(os.environ["GROUP_RANK"])
+    group = dist.new_group(backend="gloo")  # checkpoint collectives never meet training's
+    # Resume when an earlier attempt left a root; every rank looks before any rank creates it.
+    resume = torch.tensor([int(root.is_dir())])
+    dist.all_reduce(resume, op=dist.ReduceOp.MAX)
+    checkpointer = pyshmckpt.Checkpointer(
+        root, process_group=group, barrier_timeout=TIMEOUT, replicate=True, hold_timeout=300
+    )
+    model, optimizer = build()
+    first, seen = 1, {}
+    if resume.item():
+        started = time.monotonic()
+        target = state_of(model, optimizer, 0)
+        pyshmckpt.load(root, into=target, process_group=group)
+        set_state_dict(
+            model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"]
+        )
+        first = int(target["step"]) + 1
+        seen = {
+            "resumed_from": int(target["step"]),
+            "load_seconds": time.monotonic() - started,
+            "on_disk": sorted(p.name for p in root.iterdir() if not p.name.startswith(".")),
+            "committed": [name for _, name in commit.committed(root)],
+        }
+    report(out, f"{mode}-attempt-rank{rank}-{os.getpid()}", node=node, **seen)
+    for step in range(first, FINAL_STEP + 1):
+        train_step(model, optimizer, step)
+        if step == DISK_STEP:
+            checkpointer.save(state_of(model, optimizer, step), name=f"step{step}").result(TIMEOUT)
+        if step == MEMORY_STEP:
+            saved = checkpointer.save(
+                state_of(model, optimizer, step), name=f"step{step}", persist=False
+            )
+            saved.result(TIMEOUT)  # held here and, replicated, on the other node
+            if mode == "lose" and not resume.item():
+                dist.barrier()
+                report(out, f"saved-rank{rank}", node=node)
+                if node == 1:
+                    time.sleep(HANG_TIMEOUT)  # until the test kills this node
+                dist.barrier()  # fails once node 1 is gone, as a survivor's collective does
+                raise SystemExit("passed a barrier with node 1 gone")
+    torch.save(local(state_of(model, optimizer, FINAL_STEP)), out / f"{mode}-rank{rank}.pt")
+    dist.barrier()
+
+
+main()
