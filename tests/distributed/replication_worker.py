@@ -13,9 +13,15 @@ each rank's buddy on the other node (``Checkpointer(replicate=True)``).
                test starts again on an empty node. The restarted ranks restore with
                ``pyshmckpt.load(root, into=...)``: MEMORY_STEP, node 0's ranks from their own
                memory, node 1's from their replicas on node 0; then train on.
+    corrupt    as lose, but the test flips a byte of one replica on node 0 before node 1
+               comes back: that rank's fetch fails its checksums, and every rank restores
+               DISK_STEP from disk, with a warning naming the rank.
+    both       as lose, but the test kills both nodes and launches the job afresh: every rank
+               restores DISK_STEP from disk.
     straight   the same training without a loss (the reference).
 
-Every attempt writes OUT/MODE-attempt-rank<R>-<pid>.json (where it resumed from); after
+Every attempt writes OUT/MODE-attempt-rank<R>-<pid>.json (where it resumed from, the warnings
+the restore issued); after
 FINAL_STEP each rank writes its local shards of the model and optimizer state to
 OUT/MODE-rank<R>.pt. Checkpoint collectives use a gloo group of their own.
 """
@@ -28,6 +34,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +116,9 @@ def main() -> None:
     if resume.item():
         started = time.monotonic()
         target = state_of(model, optimizer, 0)
-        pyshmckpt.load(root, into=target, process_group=group)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", pyshmckpt.MemoryTierWarning)
+            pyshmckpt.load(root, into=target, process_group=group)
         set_state_dict(
             model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"]
         )
@@ -119,6 +128,7 @@ def main() -> None:
             "load_seconds": time.monotonic() - started,
             "on_disk": sorted(p.name for p in root.iterdir() if not p.name.startswith(".")),
             "committed": [name for _, name in commit.committed(root)],
+            "warnings": [str(w.message) for w in caught],
         }
     report(out, f"{mode}-attempt-rank{rank}-{os.getpid()}", node=node, **seen)
     for step in range(first, FINAL_STEP + 1):
@@ -130,7 +140,7 @@ def main() -> None:
                 state_of(model, optimizer, step), name=f"step{step}", persist=False
             )
             saved.result(TIMEOUT)  # held here and, replicated, on the other node
-            if mode == "lose" and not resume.item():
+            if mode != "straight" and not resume.item():
                 dist.barrier()
                 report(out, f"saved-rank{rank}", node=node)
                 if node == 1:

@@ -8,6 +8,9 @@ lost whole (its agent, trainers and writers killed, its /dev/shm gone) and start
 Every rank resumes from step 4, which exists nowhere on disk: node 0's ranks from their own
 memory, node 1's from their replicas on node 0; the next step is bitwise equal to an
 uninterrupted run, and nothing of ours is left in either node's /dev/shm when the job ends.
+With a byte of one replica flipped before node 1 comes back, that rank's copy fails its checksums
+and every rank restores step 2 from disk, warned of the rank and why; with both nodes lost at
+once, every rank restores step 2 from disk.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -61,57 +65,130 @@ def finish(processes: list[subprocess.Popen], out: Path) -> None:
         assert code == 0, logs(out)
 
 
-@pytest.mark.timeout(3 * RUN_TIMEOUT)
-def test_a_lost_node_resumes_from_its_replicas_on_the_other_node(tmp_path):
+def freed(nodes: list[Node]) -> None:
+    wait_until(
+        lambda: not any(ours(n) for n in nodes), 30,
+        "every writer to free its memory once the job ended",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[list[Node]]:
     reason = unavailable()
     if reason is not None:
         pytest.skip(reason)
-    out = tmp_path / "out"
+    with simulated_nodes(2, shm_size="512m") as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def straight(nodes: list[Node], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run's final local shards: OUT/straight-rank<R>.pt."""
+    out = tmp_path_factory.mktemp("straight")
+    with (out / "straight.log").open("w") as log:
+        finish([torchrun(n, nodes, out / "root", out, "straight", log) for n in nodes], out)
+    freed(nodes)
+    return out
+
+
+def lose(nodes: list[Node], tmp_path: Path, mode: str, between: Callable[[], None]) -> Path:
+    """Run `mode` until every rank's memory-only save returned, call `between` (the loss), and
+    let the job resume to its end; returns OUT."""
+    out, root = tmp_path / "out", tmp_path / "root"
     out.mkdir()
-    with simulated_nodes(2, shm_size="512m") as nodes:
-        with (out / "straight.log").open("w") as log:
-            straight = [
-                torchrun(n, nodes, tmp_path / "straight", out, "straight", log) for n in nodes
-            ]
-            finish(straight, out)
+    with (out / f"{mode}.log").open("w") as log, (out / f"{mode}-again.log").open("w") as again:
+        first = [torchrun(n, nodes, root, out, mode, log) for n in nodes]
         wait_until(
-            lambda: not ours(nodes[0]) and not ours(nodes[1]), 30, "the straight job's memory freed"
-        )
-
-        root = tmp_path / "root"
-        with (out / "lose.log").open("w") as log, (out / "lose-again.log").open("w") as again:
-            first = [torchrun(n, nodes, root, out, "lose", log) for n in nodes]
-            wait_until(
-                lambda: all((out / f"saved-rank{r}.json").exists() for r in range(4))
-                or any(p.poll() is not None for p in first),
-                RUN_TIMEOUT, "every rank's memory-only save of step 4",
-            )  # fmt: skip
-            assert all((out / f"saved-rank{r}.json").exists() for r in range(4)), logs(out)
-            replicas = [n for n in ours(nodes[0]) if "-replica-" in n]
-            assert len(replicas) == 2, ours(nodes[0])  # node 1's two ranks, held on node 0
-            nodes[1].fail()  # its processes killed, its /dev/shm gone with them
-            nodes[1].up()  # a replacement: same address, empty memory
-            assert not ours(nodes[1])
-            rejoined = torchrun(nodes[1], nodes, root, out, "lose", again)
-            finish([first[0], rejoined], out)
-        wait_until(
-            lambda: not ours(nodes[0]) and not ours(nodes[1]), 30,
-            "every writer to free its memory once the job ended",
+            lambda: all((out / f"saved-rank{r}.json").exists() for r in range(4))
+            or any(p.poll() is not None for p in first),
+            RUN_TIMEOUT, "every rank's memory-only save of step 4",
         )  # fmt: skip
+        assert all((out / f"saved-rank{r}.json").exists() for r in range(4)), logs(out)
+        replicas = [n for n in ours(nodes[0]) if "-replica-" in n]
+        assert len(replicas) == 2, ours(nodes[0])  # node 1's two ranks, held on node 0
+        survivors = between()
+        rejoined = [torchrun(n, nodes, root, out, mode, again) for n in survivors]
+        finish([first[0], *rejoined] if len(rejoined) == 1 else rejoined, out)
+    freed(nodes)
+    assert not (root / "step4").exists()
+    return out
 
-    attempts = [json.loads(p.read_text()) for p in out.glob("lose-attempt-rank*.json")]
-    resumed = [a for a in attempts if "resumed_from" in a]
-    assert len(resumed) == 4, (attempts, logs(out))
-    for attempt in resumed:
-        assert attempt["resumed_from"] == 4, attempt
+
+def resumed(out: Path, mode: str) -> list[dict]:
+    attempts = [json.loads(p.read_text()) for p in out.glob(f"{mode}-attempt-rank*.json")]
+    found = [a for a in attempts if "resumed_from" in a]
+    assert len(found) == 4, (attempts, logs(out))
+    for attempt in found:
         assert "step4" not in attempt["on_disk"], attempt
         assert attempt["committed"] == ["step2"], attempt
-    assert {a["node"] for a in resumed} == {0, 1}
-    assert not (root / "step4").exists()
+    return found
+
+
+def same_as_straight(out: Path, mode: str, straight: Path) -> None:
     for rank in range(4):
-        expected = torch.load(out / f"straight-rank{rank}.pt", weights_only=False)
-        got = torch.load(out / f"lose-rank{rank}.pt", weights_only=False)
+        expected = torch.load(straight / f"straight-rank{rank}.pt", weights_only=False)
+        got = torch.load(out / f"{mode}-rank{rank}.pt", weights_only=False)
         same(got, expected, f"rank {rank}")
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+def test_a_lost_node_resumes_from_its_replicas_on_the_other_node(nodes, straight, tmp_path):
+    def replace_node_1() -> list[Node]:
+        nodes[1].fail()  # its processes killed, its /dev/shm gone with them
+        nodes[1].up()  # a replacement: same address, empty memory
+        assert not ours(nodes[1])
+        return [nodes[1]]
+
+    out = lose(nodes, tmp_path, "lose", replace_node_1)
+    found = resumed(out, "lose")
+    assert [a["resumed_from"] for a in found] == [4] * 4, found
+    assert {a["node"] for a in found} == {0, 1}
+    assert not any(a["warnings"] for a in found), found
+    same_as_straight(out, "lose", straight)
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+def test_a_corrupt_replica_makes_every_rank_restore_from_disk(nodes, straight, tmp_path):
+    flipped: dict = {}
+
+    def corrupt_a_replica_and_replace_node_1() -> list[Node]:
+        nodes[1].fail()
+        nodes[1].up()
+        name = next(n for n in ours(nodes[0]) if "-replica-" in n)
+        record = json.loads((nodes[0].shm_dir / name).read_text())
+        flipped["rank"] = record["rank"]
+        segment = nodes[0].shm_dir / record["segment"]["name"]
+        with segment.open("r+b") as f:
+            f.seek(int(record["segment"]["offset"]) + 64)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x01]))
+        return [nodes[1]]
+
+    out = lose(nodes, tmp_path, "corrupt", corrupt_a_replica_and_replace_node_1)
+    found = resumed(out, "corrupt")
+    assert [a["resumed_from"] for a in found] == [2] * 4, found
+    for attempt in found:  # every rank is told which rank lacks step4, and why
+        assert any(f"rank {flipped['rank']}" in w and "step4" in w for w in attempt["warnings"]), (
+            attempt
+        )
+    assert any("checksum mismatch" in w for a in found for w in a["warnings"]), found
+    same_as_straight(out, "corrupt", straight)
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+def test_both_nodes_lost_at_once_restore_from_disk(nodes, straight, tmp_path):
+    def lose_both() -> list[Node]:
+        for node in nodes:
+            node.fail()
+        for node in nodes:
+            node.up()
+        return nodes
+
+    out = lose(nodes, tmp_path, "both", lose_both)
+    found = resumed(out, "both")
+    assert [a["resumed_from"] for a in found] == [2] * 4, found
+    same_as_straight(out, "both", straight)
 
 
 def same(got: object, expected: object, where: str) -> None:
