@@ -20,9 +20,10 @@ node; every rank's node-to-node traffic crosses the bridge, all on this machine'
      allocated and faulted in beforehand, then acknowledges with one byte; timed on node 0 from
      the first byte sent to the acknowledgement (connection set-up excluded). The link's speed.
    * replica one way: node 0's rank alone ``save(state, persist=False)``; timed from save()
-     returning (the state staged) to its Future resolving: the replica received on node 1 into a
-     new segment, every entry's CRC32C checked there, held, and answered (connection and
-     authentication included). Node 1's rank then checks that its node holds that replica.
+     returning (the state staged) to its Future resolving: node 0's writer computes every
+     entry's CRC32C and sends the slot, node 1's writer receives it into a new segment, checks
+     every CRC32C, holds it and answers (connection and authentication included). Node 1's
+     rank then checks that its node holds that replica.
    * raw both ways, replica both ways: the same from both nodes at once, as every rank of a
      job replicates at once (the slower direction's time).
 
@@ -48,17 +49,21 @@ node; every rank's node-to-node traffic crosses the bridge, all on this machine'
    two new ranks then time ``pyshmckpt.load(root)`` ("peer": node 1's rank fetches its
    checkpoint from node 0's memory, which the worker checks in the restore log: "from the
    memory of rank") and ``pyshmckpt.load(root, source="disk")`` ("disk"), alternating, each
-   call over a gloo group made beforehand. Before each call the page cache is dropped (``sync;
+   call over a gloo group made beforehand (and the modules load imports on first use imported
+   before the first). Before each call the page cache is dropped (``sync;
    echo 3 > /proc/sys/vm/drop_caches``, which needs root; --no-drop-caches or no permission:
    the disk figures are warm, and say so) and each rank reads the files it maps (torch's
    libraries) again, so that only the checkpoint's pages are cold, as on a replacement node
    that has imported torch. Figures: node 1's rank's load time; goal: disk / peer >= 3x.
 
-Checkpoint roots live in --dir (a temporary directory under it; use a real disk, not tmpfs),
-which both nodes see. Segments carry a prefix of this run's own; every job must leave none on
-either node, nor on this machine. Memory: each node holds about 6.5x the largest size in
-/dev/shm and private memory at once (state, two slots, replicas, raw buffers): about 13 GiB in
-all for 1 GiB. Time: about 8 minutes with the defaults on 2 cores.
+Both nodes share this machine's cores: the copies through the bridge, the writers' checksums
+and the training of both ranks compete for them, so the slowdowns are what a machine without
+spare cores sees. Checkpoint roots live in --dir (a temporary directory under it, which both
+nodes see; use a real disk, not tmpfs), removed at the end unless --keep (which also keeps the
+jobs' logs). Segments carry a prefix of this run's own: every job must leave none on either node
+(checked once it ended) nor on this machine. Memory: each node holds up to about 6.5x the
+largest size at once (state, two slots, the replica held and the one arriving, raw buffers):
+about 13 GiB in all for 1 GiB. The defaults are meant to take under 10 minutes on 2 idle cores.
 """
 
 from __future__ import annotations
@@ -351,7 +356,7 @@ def main() -> None:
         "--measure", nargs="+", choices=MEASUREMENTS, default=list(MEASUREMENTS),
         help="which measurements (default: all three)",
     )  # fmt: skip
-    parser.add_argument("--steps", type=int, default=40, help="training steps a run")
+    parser.add_argument("--steps", type=int, default=30, help="training steps a run")
     parser.add_argument("--every", type=int, nargs="+", default=[1, 5])
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -364,6 +369,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the work directory (the jobs' logs and results)"
+    )  # fmt: skip
     args = parser.parse_args()
     reason = simnodes.unavailable()
     if reason is not None:
@@ -373,8 +381,9 @@ def main() -> None:
         print("the page cache cannot be dropped (needs root): disk restores are measured warm")
         args.drop_caches = False
     largest = max(args.sizes) if {"throughput", "restore"} & set(args.measure) else 0
-    # Per node: two slots (1.25x each), the replica held and the one arriving, a raw source.
-    shm_mib = math.ceil((6 * largest + 512 * MIB) / MIB)
+    # Per node: two slots (1.25x each), the replica held and the one arriving, a raw source;
+    # a tmpfs size is a limit, not memory taken.
+    shm_mib = math.ceil(6 * largest / MIB) + 2048
     prefix = f"pyshmckpt-replbench{os.getpid()}"
     work = Path(tempfile.mkdtemp(prefix="replication-bench-", dir=args.dir))
     results: dict[str, Any] = {
@@ -395,7 +404,10 @@ def main() -> None:
                 results["training"] = training(run, args)
                 print(f"training done ({time.monotonic() - began:.0f} s)", file=sys.stderr)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            print(f"kept {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     results["seconds"] = time.monotonic() - began
     results["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
     report(results, args)

@@ -54,7 +54,9 @@ import torch.distributed as dist
 import pyshmckpt
 from pyshmckpt.cli.demo import gpt
 from pyshmckpt.errors import ReplicationWarning
-from pyshmckpt.storage import peer_wire, replicas
+from pyshmckpt.storage import peer_restore, peer_wire, reader, replicas, restore  # noqa: F401
+
+# Imported above, not by the first timed load: pyshmckpt.load imports its modules lazily.
 
 TIMEOUT = 600.0  # seconds one save, load or transfer may take
 HANG_TIMEOUT = 1500  # seconds after which a rank prints every thread's stack and exits
@@ -429,7 +431,8 @@ def main() -> None:
     group = dist.new_group(backend="gloo")  # checkpoint collectives never meet the others
     if mode == "train":
         train(params, out, node, group)
-    elif int(os.environ["TORCHELASTIC_RESTART_COUNT"]) == 0:
+    # A replaced node's new agent counts from 0: the restart is what any rank's count says.
+    elif max(gather(int(os.environ["TORCHELASTIC_RESTART_COUNT"]))) == 0:
         replicate_first(params, out, node, group)
     else:
         restore_again(params, out, node, group)

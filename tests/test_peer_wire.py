@@ -173,3 +173,12 @@ def test_buddies_are_the_same_local_rank_on_the_next_node():
     uneven = [Peer(0, "a", 1), Peer(1, "a", 2), Peer(2, "a", 3), Peer(3, "b", 4)]
     assert [buddy(r, uneven).rank for r in range(4)] == [3, 3, 3, 0]
     assert buddy(0, [Peer(0, "a", 1), Peer(1, "a", 2)]) is None
+
+
+def test_replicate_needs_hold_and_several_ranks(tmp_path):
+    from pyshmckpt import Checkpointer, ConfigError
+
+    with pytest.raises(ConfigError, match="needs hold"):
+        Checkpointer(tmp_path, slots=1, replicate=True)
+    with pytest.raises(ConfigError, match="torch.distributed"):
+        Checkpointer(tmp_path, replicate=True)

@@ -18,6 +18,7 @@ import socket
 import threading
 from typing import Any, NamedTuple
 
+from .. import knobs
 from ..errors import PyshmckptError, ReplicationError
 from ..shm.native import Segment
 from ..shm.stale import SHM_DIR
@@ -42,15 +43,25 @@ def held_here(root: str | os.PathLike[str], rank: int) -> dict[str, Any] | None:
 
 
 def offers(root: str | os.PathLike[str], world_size: int, rank: int) -> list[Offer]:
-    """What this node holds for the other ranks of `root`."""
+    """What this node holds for the other ranks of `root` (one listing of ``/dev/shm``)."""
+    keys = {memory_tier.hold_key(root, other): other for other in range(world_size)}
+    held, replica = f"{knobs.segment_prefix()}-held-", f"{knobs.segment_prefix()}-replica-"
+    ranks = set()
+    with contextlib.suppress(OSError):
+        for name in (entry.name for entry in SHM_DIR.iterdir()):
+            if name.startswith(held):
+                key = name[len(held) :]
+            elif name.startswith(replica):
+                key = name[len(replica) :].rsplit("-", 1)[0]
+            else:
+                continue
+            if key in keys and keys[key] != rank:
+                ranks.add(keys[key])
     out = []
-    for other in range(world_size):
-        if other != rank:
-            record = held_here(root, other)
-            if record is not None:
-                out.append(
-                    Offer(other, str(record.get("name", "")), int(record.get("staged_ns", 0)))
-                )
+    for other in sorted(ranks):
+        record = held_here(root, other)
+        if record is not None:
+            out.append(Offer(other, str(record.get("name", "")), int(record.get("staged_ns", 0))))
     return out
 
 

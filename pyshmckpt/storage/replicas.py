@@ -17,6 +17,8 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -75,9 +77,15 @@ def send(
     peer_wire.send_file_range(sock, fd, int(segment["offset"]), int(record["data_bytes"]), deadline)
 
 
-def receive(sock: socket.socket, deadline: peer_wire.Deadline) -> tuple[dict[str, Any], Segment]:
-    """Receive a checkpoint sent by `send` into a new segment of this user's (0600) and check
-    the CRC32C of every entry; returns its record (naming that segment) and the segment.
+def receive(
+    sock: socket.socket,
+    deadline: peer_wire.Deadline,
+    spare: Callable[[int], Segment | None] | None = None,
+) -> tuple[dict[str, Any], Segment]:
+    """Receive a checkpoint sent by `send` into a segment of this user's (0600) and check the
+    CRC32C of every entry; returns its record (naming that segment) and the segment. The
+    segment is `spare(nbytes)` when that gives one (a segment of ours whose pages are in
+    place: an older replica's, given over), else a new one.
 
     Raises:
         ReplicationError: the peer broke off, or sent something that is not a checkpoint.
@@ -94,17 +102,16 @@ def receive(sock: socket.socket, deadline: peer_wire.Deadline) -> tuple[dict[str
         raise ReplicationError("the peer sent a malformed checkpoint record") from None
     if data_bytes < 0 or not isinstance(described, dict):
         raise ReplicationError("the peer sent a malformed checkpoint record")
-    segment = Segment.create(max(data_bytes, 1), knobs.segment_prefix(), False)
+    segment = spare(data_bytes) if spare is not None else None
+    if segment is None:  # populated up front: one pass, not a page fault per page as bytes land
+        segment = Segment.create(max(data_bytes, 1), knobs.segment_prefix(), True)
     try:
         start = segment.data_offset
-        with memoryview(segment) as view:
-            peer_wire.set_timeout(sock, deadline)
-            peer_wire.recv_into(sock, view[start : start + data_bytes])
         record["segment"] = {
             "name": segment.name, "size": segment.size, "token": segment.token.hex(),
             "offset": start,
         }  # fmt: skip
-        verify(record, segment)
+        _receive_checked(sock, segment, record, start, data_bytes, deadline)
     except BaseException:
         segment.unlink()
         segment.close()
@@ -112,17 +119,49 @@ def receive(sock: socket.socket, deadline: peer_wire.Deadline) -> tuple[dict[str
     return record, segment
 
 
-def verify(record: dict[str, Any], segment: Segment) -> None:
-    """Check every entry of a received checkpoint against its CRC32C (one native pass).
+# Bytes received between two hand-offs of complete entries to the checksum thread.
+_PIECE = 32 << 20
 
-    Raises:
-        CheckpointCorruptError: an entry does not match (naming it), or the record is malformed.
-    """
-    names, rows, expected = memory_tier.entry_rows(record, f"replica of rank {record.get('rank')}")
-    got = segment.checksums(np.array(rows, dtype=np.uint64).reshape(-1, 2)).tolist() if rows else []
-    for name, crc, want in zip(names, got, expected, strict=True):
-        if crc != want:
-            raise CheckpointCorruptError(
-                f"replica of rank {record.get('rank')}",
-                f"checksum mismatch ({crc:#010x} != {want:#010x})", tensor=name,
-            )  # fmt: skip
+
+def _receive_checked(
+    sock: socket.socket,
+    segment: Segment,
+    record: dict[str, Any],
+    start: int,
+    data_bytes: int,
+    deadline: peer_wire.Deadline,
+) -> None:
+    """Receive the bytes into the segment while a thread checks each entry whose bytes are all
+    in (the native checksums release the GIL): the check ends soon after the last byte."""
+    source = f"replica of rank {record.get('rank')}"
+    try:
+        names, rows, expected = memory_tier.entry_rows(record, source)
+    except CheckpointCorruptError as exc:
+        raise ReplicationError(f"the peer sent a malformed checkpoint record: {exc}") from None
+    order = sorted(range(len(rows)), key=lambda i: rows[i][0] + rows[i][1])
+    checks: list[tuple[list[int], Future[Any]]] = []
+    done = 0
+    with ThreadPoolExecutor(1, thread_name_prefix="pyshmckpt-replica-crc") as pool:
+        with memoryview(segment) as view:
+            got = 0
+            peer_wire.set_timeout(sock, deadline)
+            while got < data_bytes:
+                piece = min(_PIECE, data_bytes - got)
+                peer_wire.recv_into(sock, view[start + got : start + got + piece])
+                got += piece
+                ready = []
+                while done < len(order) and sum(rows[order[done]]) <= start + got:
+                    ready.append(order[done])
+                    done += 1
+                if ready:
+                    ranges = np.array([rows[i] for i in ready], dtype=np.uint64).reshape(-1, 2)
+                    checks.append((ready, pool.submit(segment.checksums, ranges)))
+        for indices, future in checks:
+            for i, crc in zip(indices, future.result().tolist(), strict=True):
+                if crc != expected[i]:
+                    raise CheckpointCorruptError(
+                        source, f"checksum mismatch ({crc:#010x} != {expected[i]:#010x})",
+                        tensor=names[i],
+                    )  # fmt: skip
+    if done < len(order):
+        raise CheckpointCorruptError(source, "entries lie beyond the bytes sent")

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorruptError, PyshmckptError, ReplicationError
+from ..shm.native import Segment
 from ..shm.stale import SHM_DIR
 from ..storage import memory_tier, peer_wire, replicas
 
@@ -37,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 # Seconds an accepted connection has to authenticate.
 _AUTH_TIMEOUT = 10.0
+# Seconds a closing writer waits for replicas still arriving.
+_CLOSE_WAIT = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +70,8 @@ class ReplicaServer:
         self.config = config
         self._lock = threading.Lock()
         self._kept: dict[tuple[str, int], tuple[Path, dict[str, Any]]] = {}
+        # Segments of replicas a newer one replaced, pages in place: the next ones land there.
+        self._spares: list[Segment] = []
         self._receiving: set[threading.Thread] = set()
         self._stopped = threading.Event()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -102,7 +107,7 @@ class ReplicaServer:
                     return
                 deadline = peer_wire.Deadline(self.config.timeout)
                 try:
-                    record, segment = replicas.receive(conn, deadline)
+                    record, segment = replicas.receive(conn, deadline, self._spare)
                 except CheckpointCorruptError as exc:
                     logger.warning("rejected a replica that failed its checksums: %s", exc)
                     with contextlib.suppress(OSError, ReplicationError):
@@ -110,17 +115,19 @@ class ReplicaServer:
                     return
                 segment.disown()  # the record names it now; `release` removes it
                 segment.close()
-                self._keep(record)
+                replaced = self._keep(record)
                 with contextlib.suppress(OSError):
                     peer_wire.send_message(conn, {"ok": True})
+                if replaced is not None:  # after the answer: the sender waits for nothing more
+                    self._keep_spare(replaced)
         except (OSError, PyshmckptError) as exc:
             logger.warning("receiving a replica failed: %s", exc)
         finally:
             with self._lock:
                 self._receiving.discard(threading.current_thread())
 
-    def _keep(self, record: dict[str, Any]) -> None:
-        """Publish a verified replica and free the one it replaces."""
+    def _keep(self, record: dict[str, Any]) -> dict[str, Any] | None:
+        """Publish a verified replica; the record of the one of ours it replaces, if any."""
         key = (str(record["root"]), int(record["rank"]))
         record["replica"] = True
         path = replicas.replica_path(key[0], key[1], os.getpid())
@@ -128,14 +135,40 @@ class ReplicaServer:
             old = self._kept.get(key)
             memory_tier.publish(record, os.getpid(), None, None, path)
             self._kept[key] = (path, record)
-        if old is not None:
-            with contextlib.suppress(OSError, KeyError, TypeError):
-                (SHM_DIR / str(old[1]["segment"]["name"])).unlink()
         # Older replicas of that rank held by other processes (a writer whose trainer died).
         for other, found in replicas.replicas_of(*key):
             if other != path:
                 memory_tier.release(other, found)
         logger.debug("holding a replica of %s rank %d (%s)", key[0], key[1], record.get("name"))
+        return old[1] if old is not None else None
+
+    def _spare(self, nbytes: int) -> Segment | None:
+        """A spare segment of at least `nbytes` (the smallest), given over; None if none."""
+        with self._lock:
+            fits = [s for s in self._spares if s.size >= nbytes]
+            if not fits:
+                return None
+            chosen = min(fits, key=lambda s: s.size)
+            self._spares.remove(chosen)
+            return chosen
+
+    def _keep_spare(self, record: dict[str, Any]) -> None:
+        """Keep the segment of a replaced replica for the next one (one spare: the others go)."""
+        try:
+            info = record["segment"]
+            segment = Segment.attach(
+                str(info["name"]), int(info["size"]), bytes.fromhex(info["token"]), map_pages=True
+            )
+        except (OSError, KeyError, TypeError, ValueError):
+            with contextlib.suppress(OSError, KeyError, TypeError):
+                (SHM_DIR / str(record["segment"]["name"])).unlink()
+            return
+        with self._lock:
+            self._spares.append(segment)
+            extra = self._spares[:-1] if not self._stopped.is_set() else self._spares
+            self._spares = self._spares[-1:] if not self._stopped.is_set() else []
+        for other in extra:  # one spare is enough; none once the writer stops
+            _free(other)
 
     def stop(self, wait: float) -> list[tuple[Path, dict[str, Any]]]:
         """Stop accepting; let replicas being received finish (up to `wait` seconds); the
@@ -149,14 +182,24 @@ class ReplicaServer:
         for thread in receiving:
             thread.join(wait)
         with self._lock:
-            return list(self._kept.values())
+            spares, self._spares = self._spares, []
+            kept = list(self._kept.values())
+        for segment in spares:
+            _free(segment)
+        return kept
 
     def release_all(self) -> None:
         """Free every replica kept here (the writer is closing)."""
-        for path, record in self.stop(0.0):
+        for path, record in self.stop(_CLOSE_WAIT):
             memory_tier.release(path, record)
         with self._lock:
             self._kept.clear()
+
+
+def _free(segment: Segment) -> None:
+    with contextlib.suppress(OSError):
+        segment.unlink()
+    segment.close()
 
 
 _server: ReplicaServer | None = None

@@ -133,13 +133,25 @@ def same_as_straight(out: Path, mode: str, straight: Path) -> None:
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
 def test_a_lost_node_resumes_from_its_replicas_on_the_other_node(nodes, straight, tmp_path):
+    listed: dict = {}
+
     def replace_node_1() -> list[Node]:
+        shown = nodes[0].run(
+            [sys.executable, "-m", "pyshmckpt", "inspect", str(tmp_path / "root")],
+            timeout=RUN_TIMEOUT, env=child_env(),
+        )  # fmt: skip
+        listed["inspect"] = shown.stdout + shown.stderr
         nodes[1].fail()  # its processes killed, its /dev/shm gone with them
         nodes[1].up()  # a replacement: same address, empty memory
         assert not ours(nodes[1])
         return [nodes[1]]
 
     out = lose(nodes, tmp_path, "lose", replace_node_1)
+    lines = listed["inspect"].splitlines()
+    for rank, where in ((0, "in memory"), (1, "in memory"), (2, "replica"), (3, "replica")):
+        assert any(line.startswith(where) and f"step4  rank {rank} " in line for line in lines), (
+            listed["inspect"]
+        )
     found = resumed(out, "lose")
     assert [a["resumed_from"] for a in found] == [4] * 4, found
     assert {a["node"] for a in found} == {0, 1}
