@@ -21,9 +21,10 @@ node; every rank's node-to-node traffic crosses the bridge, all on this machine'
      the first byte sent to the acknowledgement (connection set-up excluded). The link's speed.
    * replica one way: node 0's rank alone ``save(state, persist=False)``; timed from save()
      returning (the state staged) to its Future resolving: node 0's writer computes every
-     entry's CRC32C and sends the slot, node 1's writer receives it into a new segment, checks
-     every CRC32C, holds it and answers (connection and authentication included). Node 1's
-     rank then checks that its node holds that replica.
+     entry's CRC32C and sends the slot, node 1's writer receives it into the segment of the
+     copy it replaces (a new one the first time), checks every CRC32C, holds it and answers
+     (connection and authentication included). Node 1's rank then checks that its node holds
+     that replica.
    * raw both ways, replica both ways: the same from both nodes at once, as every rank of a
      job replicates at once (the slower direction's time).
 

@@ -2,7 +2,7 @@
 
     replication_worker.py ROOT OUT MODE
 
-Trains a small FSDP2 GPT with AdamW on four ranks for steps 1..FINAL_STEP, saving step
+Trains the small FSDP2 GPT of sharded_worker.py with AdamW on four ranks for steps 1..FINAL_STEP, saving step
 DISK_STEP to disk and step MEMORY_STEP in shared memory only (``persist=False``), replicated to
 each rank's buddy on the other node (``Checkpointer(replicate=True)``).
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
-import json
 import os
 import sys
 import time
@@ -40,40 +39,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from memory_restart_worker import report
+from sharded_worker import build, train_step
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import pyshmckpt
-from pyshmckpt.cli.demo.gpt import GPT, GPTConfig, batch
 from pyshmckpt.storage import commit
 
-CONFIG = GPTConfig(vocab=97, seq_len=8, width=36, layers=2, heads=4)
-GLOBAL_BATCH = 8
 DISK_STEP = 2
 MEMORY_STEP = 4
 FINAL_STEP = MEMORY_STEP + 1
 TIMEOUT = 120.0
 HANG_TIMEOUT = 400  # seconds after which a rank prints every thread's stack and exits
-
-
-def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = GPT(CONFIG)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
-    inputs, targets = batch(step, GLOBAL_BATCH, CONFIG.seq_len, CONFIG.vocab)
-    per_rank = GLOBAL_BATCH // dist.get_world_size()
-    part = slice(dist.get_rank() * per_rank, (dist.get_rank() + 1) * per_rank)
-    model.loss(inputs[part], targets[part]).backward()
-    optimizer.step()
-    optimizer.zero_grad()
 
 
 def state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, Any]:
@@ -92,12 +69,6 @@ def local(tree: Any) -> Any:
     return tree.clone() if isinstance(tree, torch.Tensor) else tree
 
 
-def report(out: Path, stem: str, **fields: Any) -> None:
-    path = out / f"{stem}.json"
-    path.with_suffix(".tmp").write_text(json.dumps(fields))
-    path.with_suffix(".tmp").replace(path)
-
-
 def main() -> None:
     root, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     faulthandler.dump_traceback_later(HANG_TIMEOUT, exit=True)  # a hang fails with its stacks
@@ -111,7 +82,7 @@ def main() -> None:
     checkpointer = pyshmckpt.Checkpointer(
         root, process_group=group, barrier_timeout=TIMEOUT, replicate=True, hold_timeout=300
     )
-    model, optimizer = build()
+    model, optimizer = build(seed=0)
     first, seen = 1, {}
     if resume.item():
         started = time.monotonic()
