@@ -130,9 +130,11 @@ def load(
     """
     if cupy_as not in ("cupy", "numpy"):
         raise ConfigError(f"cupy_as must be 'cupy' or 'numpy', not {cupy_as!r}")
-    opened, memory, rank = _open(path, rank, source, process_group)
     kwargs = {"map_location": map_location, "allow_pickle": allow_pickle, "into": into,
               "mmap": mmap, "cupy_as": cupy_as}  # fmt: skip
+    if rank is None and source in restore.SOURCES and source != "disk" and restore.agreeing(path):
+        return _load_agreed(path, source, process_group, verify, kwargs)
+    opened, memory, rank = _open(path, rank, source, process_group)
     if memory != "unverified":  # from disk, or a memory copy whose every checksum was checked
         return _load_opened(
             opened, rank, verify=verify and not memory, memory=bool(memory), **kwargs
@@ -144,6 +146,55 @@ def load(
             raise
         restore.unusable(rank, str(exc))
     return _load_opened(open_rank(path, rank), rank, verify=verify, memory=False, **kwargs)
+
+
+def _load_agreed(
+    path: str | os.PathLike[str],
+    source: str,
+    process_group: Any,
+    verify: bool,
+    kwargs: dict[str, Any],
+) -> Any:
+    """`load` of a root by every rank at once: the ranks agree on a checkpoint, each loads its
+    part, checking a copy from this node's memory as it reads it (one pass), and they confirm;
+    when a memory copy failed its checks, every rank chooses and loads again without it."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    group = process_group if process_group is not None else restore.gloo_group()
+    distrust: dict[int, str] = {}
+    try:
+        while True:
+            choice = restore.choose(
+                path, rank, source=source, process_group=group, distrust=distrust
+            )
+            result, failure, again = None, None, False
+            memory = choice.opened is not None
+            used = rank
+            try:
+                if choice.opened is not None:
+                    opened = choice.opened
+                else:
+                    if choice.directory is not None:
+                        used = _saved_rank(choice.directory, rank)
+                    opened = restore.open_choice(choice, used)
+                check = (not choice.verified) if memory else verify
+                result = _load_opened(opened, used, verify=check, memory=memory, **kwargs)
+            except CheckpointCorruptError as exc:
+                again = memory and not choice.verified
+                what = f"its memory copy of {choice.name}" if again else choice.name
+                failure = restore.unusable(rank, f"{what}: {exc}") if again else str(exc)
+            failed = restore.confirm(group, rank, failure, again)
+            if not failed:
+                return result
+            fatal = {r: why for r, (why, retry) in failed.items() if not retry or r in distrust}
+            if fatal:
+                r, why = min(fatal.items())
+                raise CheckpointCorruptError(str(path), f"rank {r} cannot restore: {why}")
+            distrust.update({r: why for r, (why, _) in failed.items()})
+    finally:
+        if process_group is None:
+            dist.destroy_process_group(group)
 
 
 def _load_opened(

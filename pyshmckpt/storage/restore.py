@@ -1,12 +1,18 @@
 """Which checkpoint a restore reads, and from where: the newest this rank (and, with several
 ranks, every rank) can restore, from the memory tier when it holds it, else from disk.
 
-Each rank lists what it could restore: the checkpoint held in memory for its root and rank (its
-every CRC32C checked first: a copy that fails is left out, with the reason), and the newest
-committed checkpoint on disk (and the held one's name, if that is on disk too). Ranks exchange
-their lists over a gloo group of their own and take the newest name every rank has; a rank
-reads it from memory when its memory holds it, else from disk. Newest means staged last: both
-the hold record and a persisted checkpoint's manifest record when the save was staged.
+Each rank lists what it could restore: the checkpoint held in this node's memory for its root
+and rank, and the newest committed checkpoint on disk (and the held one's name, if that is on
+disk too), and what its node holds for other ranks (see `peer_restore`). Ranks exchange their
+lists over a gloo group of their own and take the newest name every rank has; a rank reads it
+from its memory when that holds it, else from another node's memory, else from disk. Newest
+means staged last: both the hold record and a persisted checkpoint's manifest record when the
+save was staged.
+
+A copy from this node's memory is checked as it is loaded (its every CRC32C computed as the
+bytes are copied out: one pass); the ranks then `confirm`, and if one's copy failed, every rank
+chooses again without it (`reader.load`). A copy fetched from another node is checked as it
+arrives, and a failed fetch makes every rank choose again before anything is loaded.
 """
 
 from __future__ import annotations
@@ -74,11 +80,14 @@ def choose(
     source: str = "auto",
     process_group: Any = None,
     agree: bool = True,
+    distrust: dict[int, str] | None = None,
 ) -> Choice:
     """The checkpoint rank `rank` restores from `root` (see the module).
 
     With `agree` and torch.distributed initialized with several ranks, every rank must call
-    this (it is collective over `process_group`, or over a gloo group made for it).
+    this (it is collective over `process_group`, or over a gloo group made for it). A copy in
+    this node's memory is not checked here: it is checked as it is loaded (see `confirm`);
+    `distrust` names the ranks whose own memory copy failed that check (and why).
 
     Raises:
         CheckpointCorruptError: nothing to restore (no checkpoint held or committed, or, with
@@ -88,12 +97,12 @@ def choose(
     if source not in SOURCES:
         raise ConfigError(f"source must be one of {', '.join(SOURCES)}, not {source!r}")
     root = Path(root)
-    # Several ranks agree on what every rank can restore: each memory copy is checked first.
-    # Alone, a rank checks its copy as it reads it (one pass), falling back to disk if it fails.
     check = agree and _ranks() > 1
-    held, record, status = (
-        _held(root, rank, check=check) if source != "disk" else (None, None, "not asked")
-    )
+    held, record, status = _held(root, rank) if source != "disk" else (None, None, "not asked")
+    if distrust and rank in distrust:
+        if held is not None:
+            held.file.close()
+        held, record, status = None, None, distrust[rank]
     options = _options(root, rank, record, source)
     choice = None
     try:
@@ -101,7 +110,7 @@ def choose(
             choice = _agree(root, rank, held, options, status, source, process_group)
         else:
             plan = _plan(root, source, [View(rank, options, status, [], None)], set())
-            choice = _mine(plan, rank, held, source, root, check=False)
+            choice = _mine(plan, rank, held, source, root)
     finally:
         if held is not None and (choice is None or choice.opened is not held):
             held.file.close()
@@ -140,10 +149,7 @@ def _agree(
     """Agree with the other ranks (see the module); copies from other nodes are fetched."""
     import torch.distributed as dist
 
-    group = process_group
-    if group is None:
-        timeout = datetime.timedelta(seconds=knobs.restore_timeout())
-        group = dist.new_group(backend="gloo", timeout=timeout)
+    group = process_group if process_group is not None else gloo_group()
     server = None
     try:
         offers: list[peer_restore.Offer] = []
@@ -191,7 +197,7 @@ def _fetch_or_open(
     """This rank's part of `plan`, and why it failed (None: it did not)."""
     how, by = plan.sources[rank]
     if how != "peer":
-        return _mine(plan, rank, held, source, root, check=True), None
+        return _mine(plan, rank, held, source, root), None
     try:
         record, segment = peer_restore.fetch(
             plan.servers[by], secret, rank, knobs.restore_timeout()
@@ -204,13 +210,11 @@ def _fetch_or_open(
     return Choice(plan.name, opened, None, verified=True), None
 
 
-def _mine(
-    plan: Plan, rank: int, held: OpenedRank | None, source: str, root: Path, *, check: bool
-) -> Choice:
+def _mine(plan: Plan, rank: int, held: OpenedRank | None, source: str, root: Path) -> Choice:
     how, _ = plan.sources[rank]
     if how == "memory" and held is not None:
         logger.info("restoring %s (rank %d) from memory", plan.name, rank)
-        return Choice(plan.name, held, None, verified=check)
+        return Choice(plan.name, held, None)
     if source == "memory":
         raise CheckpointCorruptError(str(root), f"rank {rank} holds no checkpoint in memory")
     return Choice(plan.name, None, root / plan.name)
@@ -271,11 +275,9 @@ def _ranks() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _held(
-    root: Path, rank: int, *, check: bool
-) -> tuple[OpenedRank | None, dict[str, Any] | None, str]:
-    """This rank's checkpoint held in memory, opened (with `check`, every CRC32C checked), and
-    its hold record; or None, None and why not."""
+def _held(root: Path, rank: int) -> tuple[OpenedRank | None, dict[str, Any] | None, str]:
+    """This rank's checkpoint held in this node's memory, opened, and its hold record; or None,
+    None and why not."""
     record = peer_restore.held_here(root, rank)
     if record is None:
         return None, None, "none held in memory"
@@ -283,13 +285,29 @@ def _held(
         opened = memory_tier.open_held(record)
     except CheckpointCorruptError as exc:
         return None, None, unusable(rank, f"its memory copy of {record.get('name')}: {exc}")
-    if check:
-        try:
-            memory_tier.check(record, opened)
-        except CheckpointCorruptError as exc:
-            opened.file.close()
-            return None, None, unusable(rank, f"its memory copy of {record.get('name')}: {exc}")
     return opened, record, f"holds {record.get('name')} in memory"
+
+
+def confirm(group: Any, rank: int, failure: str | None, again: bool) -> dict[int, tuple[str, bool]]:
+    """After each rank loaded what `choose` chose: the ranks that failed, why, and whether
+    choosing again without their memory copy can do better (collective over `group`)."""
+    gathered = _all_gather(group, (rank, failure, again))
+    return {int(r): (str(why), bool(retry)) for r, why, retry in gathered if why is not None}
+
+
+def agreeing(path: str | os.PathLike[str]) -> bool:
+    """Whether loading `path` without a rank is collective: a root, with torch.distributed
+    initialized on several ranks."""
+    return _ranks() > 1 and is_root(path)
+
+
+def gloo_group() -> Any:
+    """A gloo group of every rank for one restore, bounded by ``PYSHMCKPT_RESTORE_TIMEOUT``."""
+    import torch.distributed as dist
+
+    return dist.new_group(
+        backend="gloo", timeout=datetime.timedelta(seconds=knobs.restore_timeout())
+    )
 
 
 def unusable(rank: int, reason: str) -> str:

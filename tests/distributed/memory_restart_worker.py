@@ -13,6 +13,9 @@ and step MEMORY_STEP in shared memory only (``persist=False``).
                ``pyshmckpt.load(root)`` (MEMORY_STEP, from memory: not on disk), trains on, and
                ends without closing its Checkpointer after a memory-only save, so that its
                writer holds that checkpoint until torchrun's agent exits.
+    corrupt    as kill, but on the restarted attempt rank 1 flips a byte of the checkpoint its
+               node holds for it before loading: rank 1 finds it as it loads, and both ranks
+               load DISK_STEP from disk instead, warned of rank 1 and why.
     straight   the same training without a kill (the reference); closes its Checkpointer.
 
 Every attempt writes ``OUT/MODE-attempt<N>-rank<R>.json`` (where it resumed from, what the root
@@ -29,6 +32,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -91,14 +95,24 @@ def main() -> None:
     # Resume when an earlier attempt left a root; every rank looks before any rank creates it.
     resume = torch.tensor([int(root.is_dir())])
     dist.all_reduce(resume, op=dist.ReduceOp.MAX)
-    held = memory_tier.find(root, rank) is not None
+    record = memory_tier.find(root, rank)
+    held = record is not None
+    if mode == "corrupt" and attempt == 1 and rank == 1 and record is not None:
+        segment = Path("/dev/shm") / record["segment"]["name"]
+        with segment.open("r+b") as f:  # a byte of the first entry, flipped
+            f.seek(int(record["segment"]["offset"]) + 8)
+            byte = f.read(1)[0]
+            f.seek(-1, 1)
+            f.write(bytes([byte ^ 0x01]))
     checkpointer = pyshmckpt.Checkpointer(root, process_group=group, barrier_timeout=TIMEOUT)
     model, optimizer = build()
     first = 1
     seen: dict[str, Any] = {}
     if resume.item():
         started = time.monotonic()
-        loaded = pyshmckpt.load(root, process_group=group)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", pyshmckpt.MemoryTierWarning)
+            loaded = pyshmckpt.load(root, process_group=group)
         model.load_state_dict(loaded["model"])
         optimizer.load_state_dict(loaded["optim"])
         first = int(loaded["step"]) + 1
@@ -108,6 +122,7 @@ def main() -> None:
             # From memory: the restored step was never written to disk.
             "on_disk": sorted(p.name for p in root.iterdir() if not p.name.startswith(".")),
             "committed": [name for _, name in commit.committed(root)],
+            "warnings": [str(w.message) for w in caught],
         }
         del loaded
     steps = {"disk": DISK_STEP, "memory": MEMORY_STEP, "final": FINAL_STEP}
@@ -119,7 +134,7 @@ def main() -> None:
             checkpointer.save(state, name=name_of(step)).result(timeout=TIMEOUT)
         if step == MEMORY_STEP:
             checkpointer.save(state_of(model, optimizer, step), name=name_of(step), persist=False)
-            if mode == "kill" and attempt == 0:
+            if mode in ("kill", "corrupt") and attempt == 0:
                 dist.barrier()  # both ranks' saves have returned
                 if rank == 1:
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -129,7 +144,7 @@ def main() -> None:
         {"model": model.state_dict(), "optim": optimizer.state_dict()},
         out / f"{mode}-rank{rank}.pt",
     )
-    if mode == "kill":
+    if mode in ("kill", "corrupt"):
         # Ends as a crash does: the writer holds this checkpoint until torchrun's agent exits.
         checkpointer.save(
             state_of(model, optimizer, FINAL_STEP), name=name_of(FINAL_STEP), persist=False

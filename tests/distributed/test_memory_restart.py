@@ -141,3 +141,22 @@ def test_a_restart_resumes_from_memory_bitwise_and_the_job_leaves_no_segment(tmp
             else:
                 assert got[key] == value, (rank, key)
     assert drained < SHM_DRAIN_TIMEOUT
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 2 * SHM_DRAIN_TIMEOUT)
+def test_a_memory_copy_that_fails_as_it_loads_makes_every_rank_restore_from_disk(tmp_path):
+    prefix = os.environ["PYSHMCKPT_SEGMENT_PREFIX"] + "-corrupt"
+    root, out, output = torchrun(tmp_path, "corrupt", prefix)
+    assert_drains(prefix, output)
+    resumed = reports(out, "corrupt", 1)
+    steps = resumed[0]["steps"]
+    for rank, r in resumed.items():
+        assert r["held"], (rank, r)
+        assert r["resumed_from"] == steps["disk"], (rank, r, output[-3000:])
+        # Every rank is told that rank 1's copy of the newer step is why.
+        assert any("rank 1" in w and f"step{steps['memory']}" in w for w in r["warnings"]), (
+            rank,
+            r,
+        )
+    assert any("checksum mismatch" in w for w in resumed[1]["warnings"]), resumed[1]
+    assert not (root / f"step{steps['memory']}").exists()
