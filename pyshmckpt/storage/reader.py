@@ -85,7 +85,8 @@ def load(
 
     A checkpoint root loads the newest checkpoint this rank can restore: the one held in shared
     memory for this root and rank (a trainer that died, see the memory tier in `Checkpointer`),
-    when it is newer than the newest on disk or is that one, every CRC32C checked first; else the
+    when it is newer than the newest on disk or is that one, every CRC32C checked as it is read
+    (a copy that fails is passed over, on every rank, with a warning); else the
     newest on disk. With torch.distributed initialized on several ranks and `rank` not given,
     loading a root is collective (every rank calls it): the ranks agree, over a gloo group of
     their own, on the newest checkpoint every rank can restore, from its own memory, from

@@ -138,7 +138,7 @@ def test_a_lost_node_resumes_from_its_replicas_on_the_other_node(nodes, straight
     def replace_node_1() -> list[Node]:
         shown = nodes[0].run(
             [sys.executable, "-m", "pyshmckpt", "inspect", str(tmp_path / "root")],
-            timeout=RUN_TIMEOUT, env=child_env(),
+            timeout=RUN_TIMEOUT, env=child_env(), cwd=tmp_path,  # not a checkout's pyshmckpt
         )  # fmt: skip
         listed["inspect"] = shown.stdout + shown.stderr
         nodes[1].fail()  # its processes killed, its /dev/shm gone with them
