@@ -32,7 +32,6 @@ import numpy as np
 
 from .. import knobs
 from ..errors import CheckpointCorruptError, from_os_error
-from ..shm.native import Segment
 from ..shm.stale import SHM_DIR, process_start_ticks, read_header
 from ..staging import Manifest
 from . import tree_codec
@@ -302,36 +301,6 @@ def open_held(record: dict[str, Any], source: str = "memory") -> OpenedRank:
         f.close()
         raise
     return OpenedRank(Path(source), path, described, header, mapped, f)
-
-
-def check(record: dict[str, Any], opened: OpenedRank) -> None:
-    """Check the CRC32C of every entry of a held checkpoint, in one pass of the native thread
-    pool over the segment (GIL released).
-
-    Raises:
-        CheckpointCorruptError: an entry's bytes do not match (naming the entry), or the
-            segment cannot be attached.
-    """
-    segment_info = record["segment"]
-    names, rows, expected = entry_rows(record, str(opened.st_path))
-    try:
-        segment = Segment.attach(
-            str(segment_info["name"]), int(segment_info["size"]),
-            bytes.fromhex(segment_info["token"]), map_pages=True,
-        )  # fmt: skip
-    except OSError as exc:
-        raise CheckpointCorruptError(str(opened.st_path), f"cannot attach: {exc}") from None
-    try:
-        array = np.array(rows, dtype=np.uint64).reshape(-1, 2)
-        got = segment.checksums(array).tolist() if rows else []
-    finally:
-        segment.close()
-    for name, crc, want in zip(names, got, expected, strict=True):
-        if crc != want:
-            raise CheckpointCorruptError(
-                str(opened.st_path), f"checksum mismatch ({crc:#010x} != {want:#010x})",
-                tensor=name,
-            )  # fmt: skip
 
 
 def entry_rows(
