@@ -126,7 +126,6 @@ def test_a_replica_lands_in_a_segment_checked_entry_by_entry(flip):
     secret = peer_wire.new_secret()
     try:
         name = record["segment"]["name"]
-        fd = (SHM / name).open("rb")  # noqa: SIM115
         if flip:  # the sender's bytes differ from what its record says
             with (SHM / name).open("r+b") as f:
                 f.seek(int(record["segment"]["offset"]) + 100)
@@ -140,11 +139,11 @@ def test_a_replica_lands_in_a_segment_checked_entry_by_entry(flip):
             except CheckpointCorruptError as exc:
                 seen["error"] = exc
 
-        with listener() as server, fd:
+        with listener() as server:
             seen = serve_once(server, secret, receive)
             deadline = peer_wire.Deadline(TIMEOUT)
             with peer_wire.connect(server.getsockname(), secret, deadline) as sock:
-                replicas.send(sock, record, fd.fileno(), deadline)
+                replicas.send(sock, record, deadline)
             seen["thread"].join(TIMEOUT)
     finally:
         attached.sync([])

@@ -114,19 +114,10 @@ class Server:
                     if name is None or record is None or record.get("name") != name:
                         peer_wire.send_message(conn, {"kind": "none"})
                         continue
-                    self._send(conn, record, deadline)
+                    replicas.send(conn, record, deadline)
+                    peer_wire.recv_message(conn)  # the fetcher's answer: it holds the bytes
                 except (OSError, PyshmckptError, ValueError, TypeError) as exc:
                     logger.warning("serving a checkpoint to another node failed: %s", exc)
-
-    @staticmethod
-    def _send(conn: socket.socket, record: dict[str, Any], deadline: peer_wire.Deadline) -> None:
-        fd = os.open(SHM_DIR / str(record["segment"]["name"]), os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            replicas.send(conn, record, fd, deadline)
-            peer_wire.set_timeout(conn, deadline)
-            peer_wire.recv_message(conn)  # the fetcher's answer: it holds the bytes
-        finally:
-            os.close(fd)
 
     def close(self) -> None:
         """Stop serving (the serving thread's accept returns at once)."""

@@ -62,19 +62,25 @@ def find(root: str | os.PathLike[str], rank: int) -> dict[str, Any] | None:
     return None
 
 
-def send(
-    sock: socket.socket, record: dict[str, Any], fd: int, deadline: peer_wire.Deadline
-) -> None:
-    """Send a held checkpoint: its record, then its `data_bytes` bytes from file `fd` (the
-    segment) at the record's offset.
+def send(sock: socket.socket, record: dict[str, Any], deadline: peer_wire.Deadline) -> None:
+    """Send a held checkpoint: its record, then its `data_bytes` bytes straight from the
+    segment the record names, at the record's offset.
 
     Raises:
         ReplicationError: the peer broke off or did not answer by `deadline`.
+        OSError: the segment is gone.
     """
     segment = record["segment"]
     sent = {k: v for k, v in record.items() if k not in ("segment", "holder", "agent", "deadline")}
-    peer_wire.send_message(sock, {"kind": "replica", "record": sent})
-    peer_wire.send_file_range(sock, fd, int(segment["offset"]), int(record["data_bytes"]), deadline)
+    fd = os.open(SHM_DIR / str(segment["name"]), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        peer_wire.send_message(sock, {"kind": "replica", "record": sent})
+        peer_wire.send_file_range(
+            sock, fd, int(segment["offset"]), int(record["data_bytes"]), deadline
+        )
+    finally:
+        os.close(fd)
+    peer_wire.set_timeout(sock, deadline)  # for the answer that follows
 
 
 def receive(

@@ -243,19 +243,14 @@ def send(config: ReplicaConfig, record: dict[str, Any]) -> None:
     if config.buddy is None:
         return
     deadline = peer_wire.Deadline(config.timeout)
-    name = str(record["segment"]["name"])
-    fd = os.open(SHM_DIR / name, os.O_RDONLY | os.O_CLOEXEC)
     try:
         with peer_wire.connect(config.buddy, config.secret, deadline) as sock:
-            replicas.send(sock, record, fd, deadline)
-            peer_wire.set_timeout(sock, deadline)
+            replicas.send(sock, record, deadline)
             reply = peer_wire.recv_message(sock)
     except TimeoutError:
         raise ReplicationError(
             f"replication to rank {config.buddy_rank} took over {config.timeout:g} s"
         ) from None
-    finally:
-        os.close(fd)
     if not reply.get("ok"):
         raise ReplicationError(
             f"rank {config.buddy_rank}'s writer rejected the replica: {reply.get('reason')}"
