@@ -27,6 +27,7 @@ Every failed check exits non-zero naming the rank. No bare assert: it runs under
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -50,6 +51,7 @@ from pyshmckpt.storage import TorchFileWriter  # noqa: E402
 SLOW_WRITE_SECONDS = 1.5  # how long the slow writer sleeps before each file
 LATE_START_SECONDS = 3.0  # how much later than the others rank 0's writer is ready in resume*
 BOUND = 30.0  # seconds any wait below may take (also the engines' commit_timeout)
+HANG_TIMEOUT = 200  # seconds after which a rank prints every thread's stack and exits
 
 
 class SlowTorchFileWriter(TorchFileWriter):
@@ -209,6 +211,7 @@ def resume(out: Path, stage: int) -> None:
     resume_bitwise(engine, root / "ours", reference, "ShmCheckpointEngine", tag="step3")
     engine.destroy()  # closes shm_engine: every write done, `latest` final
     check(latest(root / "ours") == "step3", f"latest is {latest(root / 'ours')!r}")
+    dist.barrier()  # every rank's engine closed: their heartbeat files are gone
 
     if dist.get_rank() == 0:
         names = names_in(root / "ours"), names_in(root / "torch")
@@ -247,13 +250,21 @@ def step_until_latest(engine: Any, save_dir: Path, tag: str, stage: int) -> None
     """Train until `latest` names `tag`, checking after every step that it names it only once
     every file of it is on disk."""
     deadline = time.monotonic() + BOUND
-    while latest(save_dir) != tag:
+    # Every rank must train the same steps (each is a collective): they agree when to stop.
+    while not everywhere(latest(save_dir) == tag):
         check(time.monotonic() < deadline, f"latest never named {tag} ({latest(save_dir)!r})")
         train(engine, 1)
         if latest(save_dir) == tag:
             missing = [str(f) for f in tag_files(save_dir, tag, stage) if not f.exists()]
             check(not missing, f"latest names {tag} before these files exist: {missing}")
         time.sleep(0.05)
+
+
+def everywhere(ok: bool) -> bool:
+    """Whether `ok` holds on every rank (a collective)."""
+    flag = torch.tensor([int(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def own_files(save_dir: Path, tag: str) -> list[Path]:
@@ -357,6 +368,7 @@ SCENARIOS = {
 
 def main() -> None:
     out = Path(sys.argv[1])
+    faulthandler.dump_traceback_later(HANG_TIMEOUT, exit=True)  # a hang fails with its stacks
     # DeepSpeed's CPU backend compiles a shared-memory all-reduce op with g++ (half a minute)
     # when it initializes; these runs only need gloo.
     deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
