@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     from . import bench
-    from .demo import run as demo
+    from .demo import options as demo
 
     parser = argparse.ArgumentParser(prog="pyshmckpt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -73,3 +73,20 @@ def test_command_line_verify_and_inspect(tmp_path, gpt_checkpoint):
     # The tied head is listed under its own name, stored in the embedding's entry.
     assert rows["model.head.weight"].split()[-1] == "model.embed.weight"
     assert lines[-1].startswith(f"{n_tensors} tensors")
+
+
+def test_gc_and_the_command_line_load_no_torch(tmp_path):
+    """`pyshmckpt gc` (a job's epilogue runs it on every node) and building the command line
+    import neither torch nor the demo's run: a fraction of a second, not torch's seconds."""
+    code = (
+        "import sys; from pyshmckpt.cli import main; code = main(['gc', '--dry-run']); "
+        "print(code, sorted(m for m in sys.modules if m.split('.')[0] == 'torch' "
+        "or m == 'pyshmckpt.cli.demo.run'))"
+    )
+    done = subprocess.run(  # from elsewhere than a checkout (`-c` imports from the cwd first)
+        [sys.executable, "-c", code],
+        capture_output=True, text=True, env=child_env(), cwd=str(tmp_path), timeout=CLI_TIMEOUT,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "0 []", done.stdout

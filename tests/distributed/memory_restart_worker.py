@@ -6,8 +6,10 @@ Trains a small MLP with AdamW on two ranks (seeded initialization, fixed batches
 rank, gradients averaged over the ranks) for steps 1..FINAL_STEP, saving step DISK_STEP to disk
 and step MEMORY_STEP in shared memory only (``persist=False``).
 
-    kill       on the first attempt, rank 1 SIGKILLs itself once both ranks' saves of
-               MEMORY_STEP have returned; rank 0 waits in a barrier, which fails (an uncaught
+    kill       on the first attempt, once both ranks' saves of MEMORY_STEP have returned, each
+               rank trains FINAL_STEP and writes its state to ``OUT/MODE-expected-rank<R>.pt``
+               (where an uninterrupted run ends); then rank 1 SIGKILLs itself; rank 0 waits
+               in a barrier, which fails (an uncaught
                exception) unless the agent stops rank 0 first: either way its writer keeps the
                checkpoint, as rank 1's does. The restarted attempt restores with
                ``pyshmckpt.load(root)`` (MEMORY_STEP, from memory: not on disk), trains on, and
@@ -16,7 +18,6 @@ and step MEMORY_STEP in shared memory only (``persist=False``).
     corrupt    as kill, but on the restarted attempt rank 1 flips a byte of the checkpoint its
                node holds for it before loading: rank 1 finds it as it loads, and both ranks
                load DISK_STEP from disk instead, warned of rank 1 and why.
-    straight   the same training without a kill (the reference); closes its Checkpointer.
 
 Every attempt writes ``OUT/MODE-attempt<N>-rank<R>.json`` (where it resumed from, what the root
 held on disk, whether a checkpoint was held in memory for it); after step FINAL_STEP, each rank
@@ -79,6 +80,10 @@ def state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int
     return {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}
 
 
+def final_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, path)
+
+
 def report(out: Path, stem: str, **fields: Any) -> None:
     path = out / f"{stem}.json"
     path.with_suffix(".tmp").write_text(json.dumps(fields))
@@ -134,25 +139,21 @@ def main() -> None:
             checkpointer.save(state, name=name_of(step)).result(timeout=TIMEOUT)
         if step == MEMORY_STEP:
             checkpointer.save(state_of(model, optimizer, step), name=name_of(step), persist=False)
-            if mode in ("kill", "corrupt") and attempt == 0:
+            if attempt == 0:
+                train_step(model, optimizer, FINAL_STEP)  # the step an uninterrupted run ends with
+                final_state(model, optimizer, out / f"{mode}-expected-rank{rank}.pt")
                 dist.barrier()  # both ranks' saves have returned
                 if rank == 1:
                     os.kill(os.getpid(), signal.SIGKILL)
                 dist.barrier()  # raises once rank 1 is gone, as a survivor's collective does
                 raise SystemExit("rank 0 passed a barrier without rank 1")
-    torch.save(
-        {"model": model.state_dict(), "optim": optimizer.state_dict()},
-        out / f"{mode}-rank{rank}.pt",
+    final_state(model, optimizer, out / f"{mode}-rank{rank}.pt")
+    # Ends as a crash does: the writer holds this checkpoint until torchrun's agent exits.
+    checkpointer.save(
+        state_of(model, optimizer, FINAL_STEP), name=name_of(FINAL_STEP), persist=False
     )
-    if mode in ("kill", "corrupt"):
-        # Ends as a crash does: the writer holds this checkpoint until torchrun's agent exits.
-        checkpointer.save(
-            state_of(model, optimizer, FINAL_STEP), name=name_of(FINAL_STEP), persist=False
-        )
-        dist.barrier()
-        os._exit(0)
-    checkpointer.close()
-    dist.destroy_process_group()
+    dist.barrier()
+    os._exit(0)
 
 
 if __name__ == "__main__":

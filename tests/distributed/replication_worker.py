@@ -2,28 +2,30 @@
 
     replication_worker.py ROOT OUT MODE
 
-Trains the small FSDP2 GPT of sharded_worker.py with AdamW on four ranks for steps 1..FINAL_STEP, saving step
-DISK_STEP to disk and step MEMORY_STEP in shared memory only (``persist=False``), replicated to
-each rank's buddy on the other node (``Checkpointer(replicate=True)``).
+Trains the small FSDP2 GPT of sharded_worker.py with AdamW on four ranks for steps 1..FINAL_STEP,
+saving step DISK_STEP to disk and step MEMORY_STEP in shared memory only (``persist=False``),
+replicated to each rank's buddy on the other node (``Checkpointer(replicate=True)``). The test
+writes the phase of the job (1, 2, 3) to OUT/phase before it launches or relaunches ranks.
 
-    lose       on the first launch, once every rank's save of MEMORY_STEP returned (its replica
-               held on the other node), ranks write OUT/saved-rank<R>.json and wait: the test
-               kills node 1 whole (its processes and its /dev/shm); node 0's ranks fail in a
-               barrier and its agent restarts them, together with node 1's ranks, which the
-               test starts again on an empty node. The restarted ranks restore with
-               ``pyshmckpt.load(root, into=...)``: MEMORY_STEP, node 0's ranks from their own
-               memory, node 1's from their replicas on node 0; then train on.
-    corrupt    as lose, but the test flips a byte of one replica on node 0 before node 1
-               comes back: that rank's fetch fails its checksums, and every rank restores
-               DISK_STEP from disk, with a warning naming the rank.
-    both       as lose, but the test kills both nodes and launches the job afresh: every rank
-               restores DISK_STEP from disk.
-    straight   the same training without a loss (the reference).
+    phase 1    once every rank's save of MEMORY_STEP returned (its replica held on the other
+               node), the ranks train FINAL_STEP and write their local shards to
+               OUT/expected-rank<R>.pt (where an uninterrupted run ends), write
+               OUT/saved1-rank<R>.json and wait: the test kills node 1 whole (its processes and
+               its /dev/shm); node 0's ranks fail in a barrier and its agent restarts them,
+               together with node 1's ranks, which the test starts again on an empty node.
+    phase 2    the restarted ranks restore with ``pyshmckpt.load(root, into=...)`` and train on
+               to FINAL_STEP. In MODE ``lose`` they restore MEMORY_STEP (node 0's ranks from
+               their own memory, node 1's from their replicas on node 0); then they save
+               FINAL_STEP in memory only (replicated), write OUT/saved2-rank<R>.json and wait:
+               the test kills both nodes and launches the job afresh (phase 3), which restores
+               DISK_STEP from disk. In MODE ``corrupt`` the test flipped a byte of one replica
+               before node 1 came back: that rank's fetch fails its checksums, and every rank
+               restores DISK_STEP from disk, with a warning naming the rank.
 
-Every attempt writes OUT/MODE-attempt-rank<R>-<pid>.json (where it resumed from, the warnings
-the restore issued); after
-FINAL_STEP each rank writes its local shards of the model and optimizer state to
-OUT/MODE-rank<R>.pt. Checkpoint collectives use a gloo group of their own.
+Every attempt writes OUT/MODE-attempt-p<PHASE>-rank<R>-<pid>.json (where it resumed from, the
+warnings the restore issued); after FINAL_STEP each rank writes its local shards of the model
+and optimizer state to OUT/MODE-p<PHASE>-rank<R>.pt. Checkpoint collectives use a gloo group of
+their own.
 """
 
 from __future__ import annotations
@@ -69,22 +71,32 @@ def local(tree: Any) -> Any:
     return tree.clone() if isinstance(tree, torch.Tensor) else tree
 
 
+def wait_for_loss(out: Path, stem: str, rank: int, node: int, everyone: bool) -> None:
+    """Say OUT/<stem>-rank<R>.json once every rank got here, then wait to be killed: node 1's
+    ranks (or every rank when `everyone`) until the test kills them, node 0's in a barrier
+    that fails once node 1 is gone, as a survivor's collective does."""
+    dist.barrier()
+    report(out, f"{stem}-rank{rank}", node=node)
+    if node == 1 or everyone:
+        time.sleep(HANG_TIMEOUT)  # until the test kills this node
+    dist.barrier()
+    raise SystemExit("passed a barrier with node 1 gone")
+
+
 def main() -> None:
     root, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     faulthandler.dump_traceback_later(HANG_TIMEOUT, exit=True)  # a hang fails with its stacks
+    phase = int((out / "phase").read_text())
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     node = int(os.environ["GROUP_RANK"])
     group = dist.new_group(backend="gloo")  # checkpoint collectives never meet training's
-    # Resume when an earlier attempt left a root; every rank looks before any rank creates it.
-    resume = torch.tensor([int(root.is_dir())])
-    dist.all_reduce(resume, op=dist.ReduceOp.MAX)
     checkpointer = pyshmckpt.Checkpointer(
         root, process_group=group, barrier_timeout=TIMEOUT, replicate=True, hold_timeout=300
     )
     model, optimizer = build(seed=0)
     first, seen = 1, {}
-    if resume.item():
+    if phase > 1:
         started = time.monotonic()
         target = state_of(model, optimizer, 0)
         with warnings.catch_warnings(record=True) as caught:
@@ -101,7 +113,7 @@ def main() -> None:
             "committed": [name for _, name in commit.committed(root)],
             "warnings": [str(w.message) for w in caught],
         }
-    report(out, f"{mode}-attempt-rank{rank}-{os.getpid()}", node=node, **seen)
+    report(out, f"{mode}-attempt-p{phase}-rank{rank}-{os.getpid()}", node=node, **seen)
     for step in range(first, FINAL_STEP + 1):
         train_step(model, optimizer, step)
         if step == DISK_STEP:
@@ -111,14 +123,16 @@ def main() -> None:
                 state_of(model, optimizer, step), name=f"step{step}", persist=False
             )
             saved.result(TIMEOUT)  # held here and, replicated, on the other node
-            if mode != "straight" and not resume.item():
-                dist.barrier()
-                report(out, f"saved-rank{rank}", node=node)
-                if node == 1:
-                    time.sleep(HANG_TIMEOUT)  # until the test kills this node
-                dist.barrier()  # fails once node 1 is gone, as a survivor's collective does
-                raise SystemExit("passed a barrier with node 1 gone")
-    torch.save(local(state_of(model, optimizer, FINAL_STEP)), out / f"{mode}-rank{rank}.pt")
+            if phase == 1:
+                train_step(model, optimizer, FINAL_STEP)  # the step an uninterrupted run ends with
+                expected = local(state_of(model, optimizer, FINAL_STEP))
+                torch.save(expected, out / f"expected-rank{rank}.pt")
+                wait_for_loss(out, "saved1", rank, node, everyone=False)
+    final = state_of(model, optimizer, FINAL_STEP)
+    torch.save(local(final), out / f"{mode}-p{phase}-rank{rank}.pt")
+    if mode == "lose" and phase == 2:
+        checkpointer.save(final, name=f"step{FINAL_STEP}", persist=False).result(TIMEOUT)
+        wait_for_loss(out, "saved2", rank, node, everyone=True)
     dist.barrier()
 
 

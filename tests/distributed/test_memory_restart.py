@@ -4,7 +4,8 @@ Two ranks train under ``torchrun --max-restarts 1`` (`memory_restart_worker.py`)
 to disk, step 4 in shared memory only; then rank 1 is SIGKILLed (rank 0 dies of the failed
 collective, or of the agent's SIGTERM). The writers keep step 4 in /dev/shm, the agent restarts
 the ranks, and they restore step 4 from memory (it is on no disk), train one more step and end
-bitwise where an uninterrupted run (a second torchrun) ends. The restarted ranks end without
+bitwise where an uninterrupted run ends (the state each rank recorded after that step before the
+kill). The restarted ranks end without
 closing after a memory-only save: once torchrun exits, no segment or hold record of the job is
 left in /dev/shm.
 """
@@ -90,10 +91,6 @@ def reports(out: Path, mode: str, attempt: int) -> dict[int, dict]:
     }
 
 
-def final_state(out: Path, mode: str, rank: int) -> dict:
-    return torch.load(out / f"{mode}-rank{rank}.pt", weights_only=True)
-
-
 def flat(tree: object, prefix: str = "") -> dict[str, object]:
     if isinstance(tree, dict):
         return {
@@ -106,11 +103,25 @@ def flat(tree: object, prefix: str = "") -> dict[str, object]:
     return {prefix: tree}
 
 
-@pytest.mark.timeout(2 * RUN_TIMEOUT + 4 * SHM_DRAIN_TIMEOUT)
+def ends_as_uninterrupted(out: Path, mode: str) -> None:
+    """Each rank's state after the last step equals the one it recorded before the kill."""
+    for rank in (0, 1):
+        expected, got = (
+            flat(torch.load(out / f"{mode}-expected-rank{rank}.pt", weights_only=True)),
+            flat(torch.load(out / f"{mode}-rank{rank}.pt", weights_only=True)),
+        )
+        assert list(got) == list(expected)
+        for key, value in expected.items():
+            if isinstance(value, torch.Tensor):
+                assert isinstance(got[key], torch.Tensor), (rank, key)
+                assert same_bytes(got[key], value), f"rank {rank}: {key} differs"
+            else:
+                assert got[key] == value, (rank, key)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 2 * SHM_DRAIN_TIMEOUT)
 def test_a_restart_resumes_from_memory_bitwise_and_the_job_leaves_no_segment(tmp_path):
     prefix = os.environ["PYSHMCKPT_SEGMENT_PREFIX"] + "-restart"
-    _, straight_out, output = torchrun(tmp_path, "straight", prefix)
-    assert_drains(prefix, output)
     root, out, output = torchrun(tmp_path, "kill", prefix)
     drained = assert_drains(prefix, output)
 
@@ -128,18 +139,7 @@ def test_a_restart_resumes_from_memory_bitwise_and_the_job_leaves_no_segment(tmp
     assert not (root / memory).exists()
     assert not (root / final).exists()
 
-    for rank in (0, 1):
-        expected, got = (
-            flat(final_state(straight_out, "straight", rank)),
-            flat(final_state(out, "kill", rank)),
-        )
-        assert list(got) == list(expected)
-        for key, value in expected.items():
-            if isinstance(value, torch.Tensor):
-                assert isinstance(got[key], torch.Tensor), (rank, key)
-                assert same_bytes(got[key], value), f"rank {rank}: {key} differs after {final}"
-            else:
-                assert got[key] == value, (rank, key)
+    ends_as_uninterrupted(out, "kill")
     assert drained < SHM_DRAIN_TIMEOUT
 
 
@@ -160,3 +160,4 @@ def test_a_memory_copy_that_fails_as_it_loads_makes_every_rank_restore_from_disk
         )
     assert any("checksum mismatch" in w for w in resumed[1]["warnings"]), resumed[1]
     assert not (root / f"step{steps['memory']}").exists()
+    ends_as_uninterrupted(out, "corrupt")

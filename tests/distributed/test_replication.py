@@ -7,10 +7,11 @@ A memory-only save at step 4 is replicated to each rank's buddy on the other nod
 lost whole (its agent, trainers and writers killed, its /dev/shm gone) and started again empty.
 Every rank resumes from step 4, which exists nowhere on disk: node 0's ranks from their own
 memory, node 1's from their replicas on node 0; the next step is bitwise equal to an
-uninterrupted run, and nothing of ours is left in either node's /dev/shm when the job ends.
-With a byte of one replica flipped before node 1 comes back, that rank's copy fails its checksums
-and every rank restores step 2 from disk, warned of the rank and why; with both nodes lost at
-once, every rank restores step 2 from disk.
+uninterrupted run (the ranks' own, recorded before the loss). Then both nodes are lost at once
+after a memory-only save: the job launched afresh restores step 2 from disk. With a byte of one
+replica flipped before node 1 comes back, that rank's copy fails its checksums and every rank
+restores step 2 from disk, warned of the rank and why. Nothing of ours is left in either node's
+/dev/shm when a job ends.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
@@ -81,126 +82,114 @@ def nodes() -> Iterator[list[Node]]:
         yield made
 
 
-@pytest.fixture(scope="module")
-def straight(nodes: list[Node], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The uninterrupted run's final local shards: OUT/straight-rank<R>.pt."""
-    out = tmp_path_factory.mktemp("straight")
-    with (out / "straight.log").open("w") as log:
-        finish([torchrun(n, nodes, out / "root", out, "straight", log) for n in nodes], out)
-    freed(nodes)
-    return out
+def launch(nodes: list[Node], on: list[Node], out: Path, phase: int, log: IO[str]):
+    """Start the job's agents on the nodes `on`, in `phase` (the worker reads OUT/phase)."""
+    (out / "phase").write_text(str(phase))
+    return [torchrun(n, nodes, out.parent / "root", out, out.name, log) for n in on]
 
 
-def lose(nodes: list[Node], tmp_path: Path, mode: str, between: Callable[[], None]) -> Path:
-    """Run `mode` until every rank's memory-only save returned, call `between` (the loss), and
-    let the job resume to its end; returns OUT."""
-    out, root = tmp_path / "out", tmp_path / "root"
-    out.mkdir()
-    with (out / f"{mode}.log").open("w") as log, (out / f"{mode}-again.log").open("w") as again:
-        first = [torchrun(n, nodes, root, out, mode, log) for n in nodes]
-        wait_until(
-            lambda: all((out / f"saved-rank{r}.json").exists() for r in range(4))
-            or any(p.poll() is not None for p in first),
-            RUN_TIMEOUT, "every rank's memory-only save of step 4",
-        )  # fmt: skip
-        assert all((out / f"saved-rank{r}.json").exists() for r in range(4)), logs(out)
-        replicas = [n for n in ours(nodes[0]) if "-replica-" in n]
-        assert len(replicas) == 2, ours(nodes[0])  # node 1's two ranks, held on node 0
-        survivors = between()
-        rejoined = [torchrun(n, nodes, root, out, mode, again) for n in survivors]
-        finish([first[0], *rejoined] if len(rejoined) == 1 else rejoined, out)
-    freed(nodes)
-    assert not (root / "step4").exists()
-    return out
+def saved(out: Path, stem: str, processes: list[subprocess.Popen]) -> None:
+    """Wait until every rank wrote OUT/<stem>-rank<R>.json (fails if the launch ends first)."""
+    wait_until(
+        lambda: all((out / f"{stem}-rank{r}.json").exists() for r in range(4))
+        or any(p.poll() is not None for p in processes),
+        RUN_TIMEOUT, f"every rank to say {stem}",
+    )  # fmt: skip
+    assert all((out / f"{stem}-rank{r}.json").exists() for r in range(4)), logs(out)
 
 
-def resumed(out: Path, mode: str) -> list[dict]:
-    attempts = [json.loads(p.read_text()) for p in out.glob(f"{mode}-attempt-rank*.json")]
-    found = [a for a in attempts if "resumed_from" in a]
-    assert len(found) == 4, (attempts, logs(out))
+def replace(node: Node) -> None:
+    node.fail()  # its processes killed, its /dev/shm gone with them
+    node.up()  # a replacement: same address, empty memory
+    assert not ours(node)
+
+
+def attempts(out: Path, phase: int) -> list[dict]:
+    """The reports of the ranks that resumed in `phase`: one per rank."""
+    found = [json.loads(p.read_text()) for p in out.glob(f"{out.name}-attempt-p{phase}-rank*.json")]
+    assert len(found) == 4, (found, logs(out))
     for attempt in found:
         assert "step4" not in attempt["on_disk"], attempt
         assert attempt["committed"] == ["step2"], attempt
     return found
 
 
-def same_as_straight(out: Path, mode: str, straight: Path) -> None:
+def ends_as_uninterrupted(out: Path, phase: int) -> None:
+    """Each rank's state after the last step equals the one it recorded before any loss."""
     for rank in range(4):
-        expected = torch.load(straight / f"straight-rank{rank}.pt", weights_only=False)
-        got = torch.load(out / f"{mode}-rank{rank}.pt", weights_only=False)
-        same(got, expected, f"rank {rank}")
+        expected = torch.load(out / f"expected-rank{rank}.pt", weights_only=False)
+        got = torch.load(out / f"{out.name}-p{phase}-rank{rank}.pt", weights_only=False)
+        same(got, expected, f"rank {rank} in phase {phase}")
 
 
-@pytest.mark.timeout(3 * RUN_TIMEOUT)
-def test_a_lost_node_resumes_from_its_replicas_on_the_other_node(nodes, straight, tmp_path):
-    listed: dict = {}
-
-    def replace_node_1() -> list[Node]:
+@pytest.mark.timeout(4 * RUN_TIMEOUT)
+def test_a_lost_node_resumes_from_replicas_and_two_lost_nodes_from_disk(nodes, tmp_path):
+    out = tmp_path / "lose"
+    out.mkdir()
+    with (out / "lose.log").open("w") as log, (out / "lose-again.log").open("w") as again:
+        first = launch(nodes, nodes, out, 1, log)
+        saved(out, "saved1", first)
+        assert len([n for n in ours(nodes[0]) if "-replica-" in n]) == 2, ours(nodes[0])
         shown = nodes[0].run(
             [sys.executable, "-m", "pyshmckpt", "inspect", str(tmp_path / "root")],
             timeout=RUN_TIMEOUT, env=child_env(), cwd=tmp_path,  # not a checkout's pyshmckpt
         )  # fmt: skip
-        listed["inspect"] = shown.stdout + shown.stderr
-        nodes[1].fail()  # its processes killed, its /dev/shm gone with them
-        nodes[1].up()  # a replacement: same address, empty memory
-        assert not ours(nodes[1])
-        return [nodes[1]]
+        for rank in (2, 3):  # node 1's ranks' copies, held on node 0 while their trainers run
+            assert any(
+                line.startswith("replica") and f"step4  rank {rank} " in line
+                for line in shown.stdout.splitlines()
+            ), shown.stdout + shown.stderr
+        replace(nodes[1])
+        rejoined = launch(nodes, [nodes[1]], out, 2, again)
+        saved(out, "saved2", [first[0], *rejoined])
 
-    out = lose(nodes, tmp_path, "lose", replace_node_1)
-    lines = listed["inspect"].splitlines()
-    for rank in (2, 3):  # node 1's ranks' copies, held on node 0 while their trainers run
-        assert any(
-            line.startswith("replica") and f"step4  rank {rank} " in line for line in lines
-        ), listed["inspect"]
-    found = resumed(out, "lose")
-    assert [a["resumed_from"] for a in found] == [4] * 4, found
-    assert {a["node"] for a in found} == {0, 1}
-    assert not any(a["warnings"] for a in found), found
-    same_as_straight(out, "lose", straight)
+        found = attempts(out, 2)
+        assert [a["resumed_from"] for a in found] == [4] * 4, found
+        assert {a["node"] for a in found} == {0, 1}
+        assert not any(a["warnings"] for a in found), found
+        ends_as_uninterrupted(out, 2)
+
+        # Both nodes lost after a memory-only save of step 5: only the disk is left.
+        for node in nodes:
+            node.fail()
+        for node in nodes:
+            node.up()
+        finish(launch(nodes, nodes, out, 3, again), out)
+    freed(nodes)
+    found = attempts(out, 3)
+    assert [a["resumed_from"] for a in found] == [2] * 4, found
+    ends_as_uninterrupted(out, 3)
+    assert not (tmp_path / "root" / "step4").exists()
+    assert not (tmp_path / "root" / "step5").exists()
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
-def test_a_corrupt_replica_makes_every_rank_restore_from_disk(nodes, straight, tmp_path):
-    flipped: dict = {}
-
-    def corrupt_a_replica_and_replace_node_1() -> list[Node]:
-        nodes[1].fail()
-        nodes[1].up()
+def test_a_corrupt_replica_makes_every_rank_restore_from_disk(nodes, tmp_path):
+    out = tmp_path / "corrupt"
+    out.mkdir()
+    with (out / "corrupt.log").open("w") as log, (out / "corrupt-again.log").open("w") as again:
+        first = launch(nodes, nodes, out, 1, log)
+        saved(out, "saved1", first)
+        replace(nodes[1])
         name = next(n for n in ours(nodes[0]) if "-replica-" in n)
         record = json.loads((nodes[0].shm_dir / name).read_text())
-        flipped["rank"] = record["rank"]
         segment = nodes[0].shm_dir / record["segment"]["name"]
         with segment.open("r+b") as f:
             f.seek(int(record["segment"]["offset"]) + 64)
             byte = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([byte[0] ^ 0x01]))
-        return [nodes[1]]
-
-    out = lose(nodes, tmp_path, "corrupt", corrupt_a_replica_and_replace_node_1)
-    found = resumed(out, "corrupt")
+        finish([first[0], *launch(nodes, [nodes[1]], out, 2, again)], out)
+    freed(nodes)
+    assert not (tmp_path / "root" / "step4").exists()
+    found = attempts(out, 2)
     assert [a["resumed_from"] for a in found] == [2] * 4, found
     for attempt in found:  # every rank is told which rank lacks step4, and why
-        assert any(f"rank {flipped['rank']}" in w and "step4" in w for w in attempt["warnings"]), (
+        assert any(f"rank {record['rank']}" in w and "step4" in w for w in attempt["warnings"]), (
             attempt
         )
     assert any("checksum mismatch" in w for a in found for w in a["warnings"]), found
-    same_as_straight(out, "corrupt", straight)
-
-
-@pytest.mark.timeout(3 * RUN_TIMEOUT)
-def test_both_nodes_lost_at_once_restore_from_disk(nodes, straight, tmp_path):
-    def lose_both() -> list[Node]:
-        for node in nodes:
-            node.fail()
-        for node in nodes:
-            node.up()
-        return nodes
-
-    out = lose(nodes, tmp_path, "both", lose_both)
-    found = resumed(out, "both")
-    assert [a["resumed_from"] for a in found] == [2] * 4, found
-    same_as_straight(out, "both", straight)
+    ends_as_uninterrupted(out, 2)
 
 
 def same(got: object, expected: object, where: str) -> None:
