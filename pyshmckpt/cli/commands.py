@@ -162,6 +162,9 @@ def _rank_list(held: list[tuple[int, dict[str, Any]]]) -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from .demo import options
+
+    options.check(args)  # a bad flag exits 2 before torch is imported
     from .demo import run
 
     return run.main(args)

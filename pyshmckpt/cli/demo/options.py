@@ -1,9 +1,13 @@
-"""The ``demo`` subcommand's flags, apart from its run (`run`), so that building the command
-line does not import torch."""
+"""The ``demo`` subcommand's flags and their checks, apart from its run (`run`): building the
+command line and rejecting a bad flag do not import torch."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
+from ...shm import cuda_available
 
 
 def _positive_int(text: str) -> int:
@@ -87,3 +91,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seed of the model's initialization and the data (default 0)",
     )
     parser.set_defaults(demo_parser=parser)
+
+
+def _usage_error(args: argparse.Namespace, message: str) -> None:
+    """Exit with status 2 and `message`, the way argparse reports a bad flag."""
+    parser = getattr(args, "demo_parser", None)
+    if isinstance(parser, argparse.ArgumentParser):
+        parser.error(message)  # raises SystemExit(2)
+    print(f"pyshmckpt demo: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def check(args: argparse.Namespace) -> None:
+    """Checks that involve more than one flag, or the machine (argparse errors, exit status 2)."""
+    if args.width % args.heads:
+        _usage_error(args, f"--heads {args.heads} must divide --width {args.width}")
+    if args.interval > args.steps:
+        _usage_error(args, f"--interval {args.interval} is larger than --steps {args.steps}")
+    if args.output is not None:
+        out = Path(args.output)
+        if out.exists() and not out.is_dir():
+            _usage_error(args, f"--output {out} is not a directory")
+        if out.is_dir() and any(out.iterdir()):
+            _usage_error(args, f"--output {out} is not empty")
+    if args.device == "cuda" and not cuda_available():
+        _usage_error(
+            args,
+            "--device cuda: CUDA is not usable here (it needs a CUDA build of torch and a device; "
+            "`pyshmckpt cuda-info` says what is missing)",
+        )

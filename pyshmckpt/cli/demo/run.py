@@ -100,40 +100,6 @@ def _say(*parts: object, file: Any = None) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# command line
-# --------------------------------------------------------------------------------------------
-
-
-def _usage_error(args: argparse.Namespace, message: str) -> None:
-    """Exit with status 2 and `message`, the way argparse reports a bad flag."""
-    parser = getattr(args, "demo_parser", None)
-    if isinstance(parser, argparse.ArgumentParser):
-        parser.error(message)  # raises SystemExit(2)
-    _say(f"pyshmckpt demo: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def _check_arguments(args: argparse.Namespace) -> None:
-    """Checks that involve more than one flag, or the machine (argparse errors, exit status 2)."""
-    if args.width % args.heads:
-        _usage_error(args, f"--heads {args.heads} must divide --width {args.width}")
-    if args.interval > args.steps:
-        _usage_error(args, f"--interval {args.interval} is larger than --steps {args.steps}")
-    if args.output is not None:
-        out = Path(args.output)
-        if out.exists() and not out.is_dir():
-            _usage_error(args, f"--output {out} is not a directory")
-        if out.is_dir() and any(out.iterdir()):
-            _usage_error(args, f"--output {out} is not empty")
-    if args.device == "cuda" and not cuda_available():
-        _usage_error(
-            args,
-            "--device cuda: CUDA is not usable here (it needs a CUDA build of torch and a device; "
-            "`pyshmckpt cuda-info` says what is missing)",
-        )
-
-
-# --------------------------------------------------------------------------------------------
 # the run
 # --------------------------------------------------------------------------------------------
 
@@ -571,8 +537,7 @@ def _close_torch_process(process: Any, abort: bool) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit status (0 every check passed, 1 a failure, 130 Ctrl-C,
-    143 SIGTERM)."""
-    _check_arguments(args)
+    143 SIGTERM). The flags were checked first (`options.check`)."""
     demo: Demo | None = None
     status = 1
     try:
