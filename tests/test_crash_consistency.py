@@ -52,7 +52,7 @@ from helpers import (
 # Kills: at least MIN_ITERATIONS, more (up to MAX_ITERATIONS) while under BUDGET seconds. Each
 # costs a trainer start (python, torch, the writer's spawn: 4-5 s here, twice that under
 # PYTHONOPTIMIZE without bytecode caches) plus the random delay.
-MIN_ITERATIONS, MAX_ITERATIONS, BUDGET = 8, 12, 60.0
+MIN_ITERATIONS, MAX_ITERATIONS, BUDGET = 6, 10, 40.0
 KEEP_LAST = 3
 STEP_BASE = 100_000  # iteration i saves steps i*STEP_BASE+1, ...: exact in float32 (< 2**24)
 START_TIMEOUT = 90.0  # python + torch import + the writer's spawn: 3-8 s here

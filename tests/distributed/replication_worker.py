@@ -1,31 +1,33 @@
-"""One rank of test_replication.py: 2 simulated nodes x 2 ranks under ``torchrun --max-restarts 1``.
+"""One rank of test_replication.py: 2 simulated nodes x 2 ranks under ``torchrun --max-restarts 2``.
 
-    replication_worker.py ROOT OUT MODE
+    replication_worker.py ROOT OUT
 
 Trains the small FSDP2 GPT of sharded_worker.py with AdamW on four ranks for steps 1..FINAL_STEP,
 saving step DISK_STEP to disk and step MEMORY_STEP in shared memory only (``persist=False``),
 replicated to each rank's buddy on the other node (``Checkpointer(replicate=True)``). The test
-writes the phase of the job (1, 2, 3) to OUT/phase before it launches or relaunches ranks.
+writes the phase of the job (1 to 4) to OUT/phase before it launches or relaunches ranks; from
+phase 2 on, the ranks first restore with ``pyshmckpt.load(root, into=...)``.
 
     phase 1    once every rank's save of MEMORY_STEP returned (its replica held on the other
-               node), the ranks train FINAL_STEP and write their local shards to
+               node), the ranks train FINAL_STEP, write their local shards to
                OUT/expected-rank<R>.pt (where an uninterrupted run ends), write
                OUT/saved1-rank<R>.json and wait: the test kills node 1 whole (its processes and
                its /dev/shm); node 0's ranks fail in a barrier and its agent restarts them,
                together with node 1's ranks, which the test starts again on an empty node.
-    phase 2    the restarted ranks restore with ``pyshmckpt.load(root, into=...)`` and train on
-               to FINAL_STEP. In MODE ``lose`` they restore MEMORY_STEP (node 0's ranks from
-               their own memory, node 1's from their replicas on node 0); then they save
-               FINAL_STEP in memory only (replicated), write OUT/saved2-rank<R>.json and wait:
-               the test kills both nodes and launches the job afresh (phase 3), which restores
-               DISK_STEP from disk. In MODE ``corrupt`` the test flipped a byte of one replica
-               before node 1 came back: that rank's fetch fails its checksums, and every rank
-               restores DISK_STEP from disk, with a warning naming the rank.
+    phase 2    they restore MEMORY_STEP (node 0's ranks from their own memory, node 1's from
+               their replicas on node 0) and train to FINAL_STEP, which they save in memory
+               only (replicated); then as in phase 1 (OUT/saved2-rank<R>.json): the test flips
+               a byte of one replica of FINAL_STEP on node 0 and replaces node 1 again.
+    phase 3    that rank's copy fails its checksums as it is fetched: every rank restores
+               DISK_STEP from disk, with a warning naming the rank, and trains to FINAL_STEP,
+               saved in memory only; every rank writes OUT/saved3-rank<R>.json and waits: the
+               test kills both nodes and launches the job afresh.
+    phase 4    every rank restores DISK_STEP from disk and trains to FINAL_STEP.
 
-Every attempt writes OUT/MODE-attempt-p<PHASE>-rank<R>-<pid>.json (where it resumed from, the
+Every attempt writes OUT/attempt-p<PHASE>-rank<R>-<pid>.json (where it resumed from, the
 warnings the restore issued); after FINAL_STEP each rank writes its local shards of the model
-and optimizer state to OUT/MODE-p<PHASE>-rank<R>.pt. Checkpoint collectives use a gloo group of
-their own.
+and optimizer state to OUT/p<PHASE>-rank<R>.pt. Checkpoint collectives use a gloo group of their
+own.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def wait_for_loss(out: Path, stem: str, rank: int, node: int, everyone: bool) ->
 
 
 def main() -> None:
-    root, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    root, out = Path(sys.argv[1]), Path(sys.argv[2])
     faulthandler.dump_traceback_later(HANG_TIMEOUT, exit=True)  # a hang fails with its stacks
     phase = int((out / "phase").read_text())
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -113,7 +115,7 @@ def main() -> None:
             "committed": [name for _, name in commit.committed(root)],
             "warnings": [str(w.message) for w in caught],
         }
-    report(out, f"{mode}-attempt-p{phase}-rank{rank}-{os.getpid()}", node=node, **seen)
+    report(out, f"attempt-p{phase}-rank{rank}-{os.getpid()}", node=node, **seen)
     for step in range(first, FINAL_STEP + 1):
         train_step(model, optimizer, step)
         if step == DISK_STEP:
@@ -129,10 +131,10 @@ def main() -> None:
                 torch.save(expected, out / f"expected-rank{rank}.pt")
                 wait_for_loss(out, "saved1", rank, node, everyone=False)
     final = state_of(model, optimizer, FINAL_STEP)
-    torch.save(local(final), out / f"{mode}-p{phase}-rank{rank}.pt")
-    if mode == "lose" and phase == 2:
+    torch.save(local(final), out / f"p{phase}-rank{rank}.pt")
+    if phase in (2, 3):
         checkpointer.save(final, name=f"step{FINAL_STEP}", persist=False).result(TIMEOUT)
-        wait_for_loss(out, "saved2", rank, node, everyone=True)
+        wait_for_loss(out, f"saved{phase}", rank, node, everyone=phase == 3)
     dist.barrier()
 
 

@@ -1,17 +1,20 @@
 """Replication across nodes with real parts: two simulated nodes (tests/simnodes.py: each a
 network namespace with its own address on a bridge and its own /dev/shm), two ranks each, under
-``torchrun --max-restarts 1`` with the c10d rendezvous on node 0's address, training FSDP2 with
-AdamW (`replication_worker.py`).
+``torchrun --max-restarts 2`` with the c10d rendezvous on node 0's address, training FSDP2 with
+AdamW (`replication_worker.py`). One job, four phases (one launch each saves its start-up):
 
-A memory-only save at step 4 is replicated to each rank's buddy on the other node; node 1 is then
-lost whole (its agent, trainers and writers killed, its /dev/shm gone) and started again empty.
-Every rank resumes from step 4, which exists nowhere on disk: node 0's ranks from their own
-memory, node 1's from their replicas on node 0; the next step is bitwise equal to an
-uninterrupted run (the ranks' own, recorded before the loss). Then both nodes are lost at once
-after a memory-only save: the job launched afresh restores step 2 from disk. With a byte of one
-replica flipped before node 1 comes back, that rank's copy fails its checksums and every rank
-restores step 2 from disk, warned of the rank and why. Nothing of ours is left in either node's
-/dev/shm when a job ends.
+1. A memory-only save at step 4 is replicated to each rank's buddy on the other node; node 1 is
+   then lost whole (its agent, trainers and writers killed, its /dev/shm gone) and started again
+   empty.
+2. Every rank resumes from step 4, which exists nowhere on disk: node 0's ranks from their own
+   memory, node 1's from their replicas on node 0; the next step is bitwise equal to an
+   uninterrupted run (the ranks' own, recorded before the loss). Step 5 is saved in memory only;
+   a byte of one of its replicas is flipped and node 1 is replaced again.
+3. That rank's copy fails its checksums as it is fetched: every rank restores step 2 from disk,
+   warned of the rank and why. After another memory-only save, both nodes are lost at once.
+4. The job launched afresh restores step 2 from disk.
+
+Nothing of ours is left in either node's /dev/shm when the job ends.
 """
 
 from __future__ import annotations
@@ -37,12 +40,12 @@ RENDEZVOUS_PORT = 29400  # ports are per simulated node: any is free
 RUN_TIMEOUT = 300  # seconds a launch may take (tens on an idle machine)
 
 
-def torchrun(node: Node, nodes: list[Node], root: Path, out: Path, mode: str, log: IO[str]):
+def torchrun(node: Node, nodes: list[Node], root: Path, out: Path, log: IO[str]):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-        "--max-restarts", "1", "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"{nodes[0].address}:{RENDEZVOUS_PORT}", "--rdzv-id", f"repl-{mode}",
-        str(WORKER), str(root), str(out), mode,
+        "--max-restarts", "2", "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"{nodes[0].address}:{RENDEZVOUS_PORT}", "--rdzv-id", "replication",
+        str(WORKER), str(root), str(out),
     ]  # fmt: skip
     env = child_env() | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     return node.start(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -85,7 +88,7 @@ def nodes() -> Iterator[list[Node]]:
 def launch(nodes: list[Node], on: list[Node], out: Path, phase: int, log: IO[str]):
     """Start the job's agents on the nodes `on`, in `phase` (the worker reads OUT/phase)."""
     (out / "phase").write_text(str(phase))
-    return [torchrun(n, nodes, out.parent / "root", out, out.name, log) for n in on]
+    return [torchrun(n, nodes, out.parent / "root", out, log) for n in on]
 
 
 def saved(out: Path, stem: str, processes: list[subprocess.Popen]) -> None:
@@ -106,10 +109,10 @@ def replace(node: Node) -> None:
 
 def attempts(out: Path, phase: int) -> list[dict]:
     """The reports of the ranks that resumed in `phase`: one per rank."""
-    found = [json.loads(p.read_text()) for p in out.glob(f"{out.name}-attempt-p{phase}-rank*.json")]
+    found = [json.loads(p.read_text()) for p in out.glob(f"attempt-p{phase}-rank*.json")]
     assert len(found) == 4, (found, logs(out))
     for attempt in found:
-        assert "step4" not in attempt["on_disk"], attempt
+        assert not {"step4", "step5"} & set(attempt["on_disk"]), attempt
         assert attempt["committed"] == ["step2"], attempt
     return found
 
@@ -118,20 +121,36 @@ def ends_as_uninterrupted(out: Path, phase: int) -> None:
     """Each rank's state after the last step equals the one it recorded before any loss."""
     for rank in range(4):
         expected = torch.load(out / f"expected-rank{rank}.pt", weights_only=False)
-        got = torch.load(out / f"{out.name}-p{phase}-rank{rank}.pt", weights_only=False)
+        got = torch.load(out / f"p{phase}-rank{rank}.pt", weights_only=False)
         same(got, expected, f"rank {rank} in phase {phase}")
 
 
-@pytest.mark.timeout(4 * RUN_TIMEOUT)
-def test_a_lost_node_resumes_from_replicas_and_two_lost_nodes_from_disk(nodes, tmp_path):
-    out = tmp_path / "lose"
+def flip_a_replica(node: Node, name: str) -> int:
+    """Flip a byte of the data of one replica of checkpoint `name` held on `node`; returns the
+    rank it was held for."""
+    held = [json.loads((node.shm_dir / n).read_text()) for n in ours(node) if "-replica-" in n]
+    record = next(r for r in held if r["name"] == name)
+    segment = node.shm_dir / record["segment"]["name"]
+    with segment.open("r+b") as f:
+        f.seek(int(record["segment"]["offset"]) + 64)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    return int(record["rank"])
+
+
+@pytest.mark.timeout(5 * RUN_TIMEOUT)
+def test_a_lost_node_resumes_from_replicas_then_a_corrupt_replica_and_two_lost_nodes_from_disk(
+    nodes, tmp_path
+):
+    out, root = tmp_path / "out", tmp_path / "root"
     out.mkdir()
-    with (out / "lose.log").open("w") as log, (out / "lose-again.log").open("w") as again:
+    with (out / "first.log").open("w") as log, (out / "again.log").open("w") as again:
         first = launch(nodes, nodes, out, 1, log)
         saved(out, "saved1", first)
         assert len([n for n in ours(nodes[0]) if "-replica-" in n]) == 2, ours(nodes[0])
         shown = nodes[0].run(
-            [sys.executable, "-m", "pyshmckpt", "inspect", str(tmp_path / "root")],
+            [sys.executable, "-m", "pyshmckpt", "inspect", str(root)],
             timeout=RUN_TIMEOUT, env=child_env(), cwd=tmp_path,  # not a checkout's pyshmckpt
         )  # fmt: skip
         for rank in (2, 3):  # node 1's ranks' copies, held on node 0 while their trainers run
@@ -139,57 +158,41 @@ def test_a_lost_node_resumes_from_replicas_and_two_lost_nodes_from_disk(nodes, t
                 line.startswith("replica") and f"step4  rank {rank} " in line
                 for line in shown.stdout.splitlines()
             ), shown.stdout + shown.stderr
-        replace(nodes[1])
-        rejoined = launch(nodes, [nodes[1]], out, 2, again)
-        saved(out, "saved2", [first[0], *rejoined])
 
+        # 2: node 1 replaced, its ranks restore from their replicas on node 0.
+        replace(nodes[1])
+        saved(out, "saved2", [first[0], *launch(nodes, [nodes[1]], out, 2, again)])
         found = attempts(out, 2)
         assert [a["resumed_from"] for a in found] == [4] * 4, found
         assert {a["node"] for a in found} == {0, 1}
         assert not any(a["warnings"] for a in found), found
         ends_as_uninterrupted(out, 2)
 
-        # Both nodes lost after a memory-only save of step 5: only the disk is left.
+        # 3: node 1 replaced again, a replica of step 5 corrupt: every rank restores from disk.
+        replace(nodes[1])
+        flipped = flip_a_replica(nodes[0], "step5")
+        saved(out, "saved3", [first[0], *launch(nodes, [nodes[1]], out, 3, again)])
+        found = attempts(out, 3)
+        assert [a["resumed_from"] for a in found] == [2] * 4, found
+        for attempt in found:  # every rank is told which rank lacks step5, and why
+            assert any(f"rank {flipped}" in w and "step5" in w for w in attempt["warnings"]), (
+                attempt
+            )
+        assert any("checksum mismatch" in w for a in found for w in a["warnings"]), found
+        ends_as_uninterrupted(out, 3)
+
+        # 4: both nodes lost after a memory-only save of step 5: only the disk is left.
         for node in nodes:
             node.fail()
         for node in nodes:
             node.up()
-        finish(launch(nodes, nodes, out, 3, again), out)
+        finish(launch(nodes, nodes, out, 4, again), out)
     freed(nodes)
-    found = attempts(out, 3)
+    found = attempts(out, 4)
     assert [a["resumed_from"] for a in found] == [2] * 4, found
-    ends_as_uninterrupted(out, 3)
-    assert not (tmp_path / "root" / "step4").exists()
-    assert not (tmp_path / "root" / "step5").exists()
-
-
-@pytest.mark.timeout(3 * RUN_TIMEOUT)
-def test_a_corrupt_replica_makes_every_rank_restore_from_disk(nodes, tmp_path):
-    out = tmp_path / "corrupt"
-    out.mkdir()
-    with (out / "corrupt.log").open("w") as log, (out / "corrupt-again.log").open("w") as again:
-        first = launch(nodes, nodes, out, 1, log)
-        saved(out, "saved1", first)
-        replace(nodes[1])
-        name = next(n for n in ours(nodes[0]) if "-replica-" in n)
-        record = json.loads((nodes[0].shm_dir / name).read_text())
-        segment = nodes[0].shm_dir / record["segment"]["name"]
-        with segment.open("r+b") as f:
-            f.seek(int(record["segment"]["offset"]) + 64)
-            byte = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([byte[0] ^ 0x01]))
-        finish([first[0], *launch(nodes, [nodes[1]], out, 2, again)], out)
-    freed(nodes)
-    assert not (tmp_path / "root" / "step4").exists()
-    found = attempts(out, 2)
-    assert [a["resumed_from"] for a in found] == [2] * 4, found
-    for attempt in found:  # every rank is told which rank lacks step4, and why
-        assert any(f"rank {record['rank']}" in w and "step4" in w for w in attempt["warnings"]), (
-            attempt
-        )
-    assert any("checksum mismatch" in w for a in found for w in a["warnings"]), found
-    ends_as_uninterrupted(out, 2)
+    ends_as_uninterrupted(out, 4)
+    assert not (root / "step4").exists()
+    assert not (root / "step5").exists()
 
 
 def same(got: object, expected: object, where: str) -> None:

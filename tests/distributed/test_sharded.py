@@ -111,9 +111,9 @@ def test_2d_mesh_replicate_and_uneven_shards(
 
 def test_a_dead_rank_fails_every_save_within_the_barrier_timeout(tmp_path: Path) -> None:
     started = time.monotonic()
-    codes = launch(4, "die", str(tmp_path))
-    assert codes == [0, -9, 0, 0]
-    for rank in (0, 2, 3):
+    codes = launch(3, "die", str(tmp_path))
+    assert codes == [0, -9, 0]
+    for rank in (0, 2):
         report = json.loads((tmp_path / f"die-rank{rank}.json").read_text())
         # Rank 0 gave up waiting for rank 1; the others learned it from rank 0's tombstone.
         assert "ranks [1]" in report["message"], report
@@ -125,8 +125,8 @@ def test_a_dead_rank_fails_every_save_within_the_barrier_timeout(tmp_path: Path)
     assert not (root / "ck").exists()
     assert time.monotonic() - started < RUN_TIMEOUT
     # A fresh launch (a restarted job) saves into the same root.
-    torchrun(4, "again", str(tmp_path))
+    torchrun(3, "again", str(tmp_path))
     assert [name for _, name in commit.committed(root)] == ["ck2"]
     assert sorted(p.name for p in (root / "ck2").iterdir()) == sorted(
-        ["commit.json"] + [f"rank{r}.{ext}" for r in range(4) for ext in ("json", "safetensors")]
+        ["commit.json"] + [f"rank{r}.{ext}" for r in range(3) for ext in ("json", "safetensors")]
     )

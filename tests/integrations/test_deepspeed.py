@@ -102,13 +102,17 @@ def output(done: subprocess.CompletedProcess[str]) -> str:
 @needs_deepspeed
 @pytest.mark.slow
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 120)
-@pytest.mark.parametrize(("stage", "ranks"), [(0, 1), (1, 2)], ids=["zero0-1rank", "zero1-2ranks"])
-@pytest.mark.parametrize("ending", ["save", "save-kill"], ids=["ends", "killed"])
+@pytest.mark.parametrize(
+    ("stage", "ranks", "ending"),
+    [(0, 1, "save"), (1, 2, "save"), (1, 2, "save-kill")],
+    ids=["ends-zero0-1rank", "ends-zero1-2ranks", "killed-zero1-2ranks"],
+)
 def test_an_unguarded_script_resumes_from_its_last_tag_however_it_ended(
     tmp_path, stage, ranks, ending
 ):
     """No main guard, no destroy(): the run simply ends, or its trainers are SIGKILLed right
-    after the last save_checkpoint returned. `latest` names the last tag once the writers are
+    after the last save_checkpoint returned (on two ranks: each orphaned writer finishes, and
+    rank 0's waits for rank 1's). `latest` names the last tag once the writers are
     done, the save directory holds what DeepSpeed's default engine leaves, and a new launch
     resumes from it with load_checkpoint(save_dir), bitwise."""
     save_dir = tmp_path / "ckpt"
