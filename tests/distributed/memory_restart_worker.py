@@ -1,28 +1,28 @@
-"""One rank of test_memory_restart.py, run by ``torchrun --nproc-per-node 2 --max-restarts 1``.
+"""One rank of test_memory_restart.py, run by ``torchrun --nproc-per-node 2 --max-restarts 2``.
 
-    memory_restart_worker.py ROOT OUT MODE
+    memory_restart_worker.py ROOT OUT
 
 Trains a small MLP with AdamW on two ranks (seeded initialization, fixed batches per step and
 rank, gradients averaged over the ranks) for steps 1..FINAL_STEP, saving step DISK_STEP to disk
-and step MEMORY_STEP in shared memory only (``persist=False``).
+and step MEMORY_STEP in shared memory only (``persist=False``). Three attempts:
 
-    kill       on the first attempt, once both ranks' saves of MEMORY_STEP have returned, each
-               rank trains FINAL_STEP and writes its state to ``OUT/MODE-expected-rank<R>.pt``
-               (where an uninterrupted run ends); then rank 1 SIGKILLs itself; rank 0 waits
-               in a barrier, which fails (an uncaught
-               exception) unless the agent stops rank 0 first: either way its writer keeps the
-               checkpoint, as rank 1's does. The restarted attempt restores with
-               ``pyshmckpt.load(root)`` (MEMORY_STEP, from memory: not on disk), trains on, and
-               ends without closing its Checkpointer after a memory-only save, so that its
-               writer holds that checkpoint until torchrun's agent exits.
-    corrupt    as kill, but on the restarted attempt rank 1 flips a byte of the checkpoint its
-               node holds for it before loading: rank 1 finds it as it loads, and both ranks
-               load DISK_STEP from disk instead, warned of rank 1 and why.
+    0  once both ranks' saves of MEMORY_STEP have returned, each rank trains FINAL_STEP and
+       writes its state to ``OUT/expected-rank<R>.pt`` (where an uninterrupted run ends); then
+       rank 1 SIGKILLs itself; rank 0 waits in a barrier, which fails (an uncaught exception)
+       unless the agent stops rank 0 first: either way its writer keeps the checkpoint, as
+       rank 1's does.
+    1  restores with ``pyshmckpt.load(root)`` (MEMORY_STEP, from memory: not on disk), trains to
+       FINAL_STEP, saves it in memory only, and rank 1 SIGKILLs itself again.
+    2  rank 1 first flips a byte of the checkpoint its node holds for it (FINAL_STEP): rank 1
+       finds it as it loads, and both ranks load DISK_STEP from disk instead, warned of rank 1
+       and why; they train to FINAL_STEP and end without closing their Checkpointer after a
+       memory-only save, so that their writers hold that checkpoint until torchrun's agent
+       exits.
 
-Every attempt writes ``OUT/MODE-attempt<N>-rank<R>.json`` (where it resumed from, what the root
-held on disk, whether a checkpoint was held in memory for it); after step FINAL_STEP, each rank
-writes its model and optimizer state to ``OUT/MODE-rank<R>.pt``. Checkpoint collectives (the
-run id, the restore's agreement) use a gloo group of their own.
+Every attempt writes ``OUT/attempt<N>-rank<R>.json`` (where it resumed from, what the root held
+on disk, whether a checkpoint was held in memory for it); after step FINAL_STEP, each rank
+writes its model and optimizer state to ``OUT/attempt<N>-rank<R>.pt``. Checkpoint collectives
+(the run id, the restore's agreement) use a gloo group of their own.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -90,8 +90,17 @@ def report(out: Path, stem: str, **fields: Any) -> None:
     path.with_suffix(".tmp").replace(path)
 
 
+def kill_rank_1(rank: int) -> NoReturn:
+    """Once both ranks got here, rank 1 SIGKILLs itself; rank 0 fails in a barrier."""
+    dist.barrier()  # both ranks' saves have returned
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()  # raises once rank 1 is gone, as a survivor's collective does
+    raise SystemExit("rank 0 passed a barrier without rank 1")
+
+
 def main() -> None:
-    root, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    root, out = Path(sys.argv[1]), Path(sys.argv[2])
     faulthandler.dump_traceback_later(HANG_TIMEOUT, exit=True)  # a hang fails with its stacks
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -102,7 +111,7 @@ def main() -> None:
     dist.all_reduce(resume, op=dist.ReduceOp.MAX)
     record = memory_tier.find(root, rank)
     held = record is not None
-    if mode == "corrupt" and attempt == 1 and rank == 1 and record is not None:
+    if attempt == 2 and rank == 1 and record is not None:
         segment = Path("/dev/shm") / record["segment"]["name"]
         with segment.open("r+b") as f:  # a byte of the first entry, flipped
             f.seek(int(record["segment"]["offset"]) + 8)
@@ -131,7 +140,7 @@ def main() -> None:
         }
         del loaded
     steps = {"disk": DISK_STEP, "memory": MEMORY_STEP, "final": FINAL_STEP}
-    report(out, f"{mode}-attempt{attempt}-rank{rank}", held=held, steps=steps, **seen)
+    report(out, f"attempt{attempt}-rank{rank}", held=held, steps=steps, **seen)
     for step in range(first, FINAL_STEP + 1):
         train_step(model, optimizer, step)
         if step == DISK_STEP:
@@ -141,17 +150,14 @@ def main() -> None:
             checkpointer.save(state_of(model, optimizer, step), name=name_of(step), persist=False)
             if attempt == 0:
                 train_step(model, optimizer, FINAL_STEP)  # the step an uninterrupted run ends with
-                final_state(model, optimizer, out / f"{mode}-expected-rank{rank}.pt")
-                dist.barrier()  # both ranks' saves have returned
-                if rank == 1:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                dist.barrier()  # raises once rank 1 is gone, as a survivor's collective does
-                raise SystemExit("rank 0 passed a barrier without rank 1")
-    final_state(model, optimizer, out / f"{mode}-rank{rank}.pt")
+                final_state(model, optimizer, out / f"expected-rank{rank}.pt")
+                kill_rank_1(rank)
+    final_state(model, optimizer, out / f"attempt{attempt}-rank{rank}.pt")
+    final = state_of(model, optimizer, FINAL_STEP)
+    checkpointer.save(final, name=name_of(FINAL_STEP), persist=False).result(timeout=TIMEOUT)
+    if attempt == 1:
+        kill_rank_1(rank)
     # Ends as a crash does: the writer holds this checkpoint until torchrun's agent exits.
-    checkpointer.save(
-        state_of(model, optimizer, FINAL_STEP), name=name_of(FINAL_STEP), persist=False
-    )
     dist.barrier()
     os._exit(0)
 
