@@ -19,30 +19,9 @@ from pyshmckpt import CheckpointProcess, CheckpointProcessConfig
 from pyshmckpt.transport import RankInfo, no_init
 
 from helpers import child_env, failure_of, pid_running, wait_until
+from writer_side import JournalWriter
 
 TIMEOUT = 60
-
-
-class JournalWriter:
-    """torch.save to each path; every write and every `note` is appended to a journal file."""
-
-    def __init__(self, rank_info: object, journal: str) -> None:
-        self.journal = Path(journal)
-
-    def _log(self, entry: str) -> None:
-        with self.journal.open("a") as journal:
-            journal.write(entry + "\n")
-
-    def write(self, path: str, state_dict: object, **kwargs: object) -> None:
-        torch.save(state_dict, path)
-        self._log(f"wrote {Path(path).name}")
-
-    def note(self, text: str) -> str:
-        self._log(f"note {text}")
-        return text.upper()
-
-    def fail(self) -> None:
-        raise ValueError("this call fails on purpose")
 
 
 def entries(journal: Path) -> list[str]:
@@ -92,7 +71,7 @@ TRAINER = textwrap.dedent(
     import torch
     from pyshmckpt import CheckpointProcess, CheckpointProcessConfig
     from pyshmckpt.transport import RankInfo, no_init
-    from test_calls import JournalWriter
+    from writer_side import JournalWriter
 
     target, journal = sys.argv[1], sys.argv[2]
     process = CheckpointProcess(

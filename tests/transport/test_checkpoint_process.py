@@ -22,48 +22,10 @@ from torch.distributed.checkpoint._experimental.types import RankInfo
 import pyshmckpt
 from pyshmckpt import CheckpointProcess, CheckpointProcessConfig, ShmStager
 
+from writer_side import DescribingWriter, no_init
+
 TIMEOUT = 60
 RANK = RankInfo(global_rank=0, global_world_size=1)
-
-
-def no_init() -> None:
-    pass
-
-
-class DescribingWriter:
-    """Writes a JSON description of what it received: structure, sums, where tensors live."""
-
-    def __init__(self, rank_info: RankInfo, tag: str = "") -> None:
-        self.rank_info = rank_info
-        self.tag = tag
-
-    def write(self, path: str, state_dict, **kwargs) -> None:
-        def describe(node):
-            if isinstance(node, torch.Tensor):
-                return {
-                    "tensor": [str(node.dtype), list(node.shape)],
-                    "sum": float(node.double().sum()) if node.numel() else 0.0,
-                    "cpu": node.device.type == "cpu",
-                    "ptr": node.data_ptr(),
-                }
-            if isinstance(node, dict):
-                return {
-                    "type": type(node).__name__,
-                    "items": [[repr(k), describe(v)] for k, v in node.items()],
-                }
-            if isinstance(node, (list, tuple)):
-                return {"type": type(node).__name__, "items": [describe(v) for v in node]}
-            return {"leaf": repr(node)}
-
-        out = {
-            "tree": describe(state_dict),
-            "kwargs": {k: repr(v) for k, v in kwargs.items()},
-            "rank": self.rank_info.global_rank,
-            "tag": self.tag,
-            "pid": os.getpid(),
-        }
-        Path(path).mkdir(parents=True, exist_ok=True)
-        (Path(path) / "description.json").write_text(json.dumps(out))
 
 
 def describe_local(node):

@@ -22,35 +22,9 @@ from pyshmckpt.transport import RankInfo
 from pyshmckpt.transport.spool import Spool, SpoolReader
 
 from helpers import SHM, child_env, failure_of, pid_running, wait_until
+from writer_side import TensorFileWriter, die_in_init, fail_init, wait_for_file
 
 TIMEOUT = 60
-
-
-def wait_for_file(path: str) -> None:
-    """A writer's init function that blocks until `path` exists: the writer stays 'starting'."""
-    deadline = time.monotonic() + TIMEOUT
-    while not Path(path).exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} never appeared")
-        time.sleep(0.01)
-
-
-def fail_init() -> None:
-    raise RuntimeError("the writer's init failed on purpose")
-
-
-def die_in_init() -> None:
-    os._exit(3)
-
-
-class TensorFileWriter:
-    """Writes the state dict with torch.save to path (a file)."""
-
-    def __init__(self, rank_info: object) -> None:
-        self.rank_info = rank_info
-
-    def write(self, path: str, state_dict: object, **kwargs: object) -> None:
-        torch.save(state_dict, path)
 
 
 def spooling_process(init: object, *args: object) -> CheckpointProcess:
@@ -181,7 +155,7 @@ TRAINER = textwrap.dedent(
 
     from pyshmckpt import CheckpointProcess, CheckpointProcessConfig
     from pyshmckpt.transport import RankInfo
-    from test_spool import TensorFileWriter, wait_for_file
+    from writer_side import TensorFileWriter, wait_for_file
 
     if __name__ == "__main__":
         gate, target, policy = sys.argv[1:4]

@@ -29,10 +29,6 @@ from torch.distributed.checkpoint._experimental.checkpoint_process import (
     CheckpointProcessConfig as TorchProcessConfig,
 )
 from torch.distributed.checkpoint._experimental.checkpoint_reader import CheckpointReader
-from torch.distributed.checkpoint._experimental.checkpoint_writer import (
-    CheckpointWriter,
-    CheckpointWriterConfig,
-)
 from torch.distributed.checkpoint._experimental.checkpointer import AsyncCheckpointer
 from torch.distributed.checkpoint._experimental.staging import (
     CheckpointStagerConfig,
@@ -44,17 +40,10 @@ import pyshmckpt
 from pyshmckpt.storage import TorchSaveWriter
 
 from helpers import SAVE_TIMEOUT, assert_same_tree, bounded_config
+from writer_side import no_init, torch_writer
 
 RANK = RankInfo(global_rank=0, global_world_size=1)
 SMALL_SAVES = 4  # more than the two slots a ShmStager has
-
-
-def no_init() -> None:
-    pass
-
-
-def torch_writer(**kwargs: Any) -> CheckpointWriter:
-    return CheckpointWriter(config=CheckpointWriterConfig(), rank_info=kwargs["rank_info"])
 
 
 STAGERS = {

@@ -5,15 +5,14 @@ the wrong generation; the trainer itself is SIGKILLed; stale segments of dead ow
 collected. Every wait is bounded, and every CheckpointProcess is closed by a fixture, so no writer
 process and no segment of this session outlives its test (conftest checks the segments).
 
-Code that runs in the writer (RecordingWriter and the init functions) is at module level, so the
-spawned child can import it, and uses no bare ``assert`` (it would vanish under ``python -O``).
+Code that runs in the writer (RecordingWriter and the init functions) is in writer_side.py, which
+the writer process imports.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -46,7 +45,6 @@ from pyshmckpt import (
     WriteTimeoutError,
 )
 from pyshmckpt.shm import stale
-from pyshmckpt.storage import progress
 from pyshmckpt.transport import parent as writer_process
 from pyshmckpt.transport.channel import Kind, Request
 
@@ -59,160 +57,17 @@ from helpers import (
     thread_waits,
     wait_until,
 )
+from writer_side import (
+    ProgressingWriter,
+    RecordingWriter,
+    digest_tree,
+    init_exit,
+    init_ok,
+    init_raise,
+    init_sleep,
+)
 
 SPAWN_TIMEOUT = 60.0  # a real spawn takes 1-3 s here; generous for loaded machines
-
-
-# --------------------------------------------------------------------------------------------
-# code that runs in the writer subprocess
-# --------------------------------------------------------------------------------------------
-
-
-def digest_tree(tree: Any) -> dict[str, Any]:
-    """dtype, shape and sha256 of the bytes of every tensor (and repr of every other leaf)."""
-    out: dict[str, Any] = {}
-
-    def visit(node: Any, path: str) -> None:
-        if isinstance(node, torch.Tensor):
-            flat = node.detach().contiguous().reshape(-1)
-            raw = flat.view(torch.uint8).numpy().tobytes()
-            out[path] = {
-                "dtype": str(node.dtype),
-                "shape": list(node.shape),
-                "sha256": hashlib.sha256(raw).hexdigest(),
-            }
-        elif isinstance(node, dict):
-            for key, value in node.items():
-                visit(value, f"{path}/{key}")
-        elif isinstance(node, (list, tuple)):
-            for index, value in enumerate(node):
-                visit(value, f"{path}/{index}")
-        else:
-            out[path] = repr(node)
-
-    visit(tree, "")
-    return out
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
-def _hang() -> None:
-    while True:
-        time.sleep(0.05)
-
-
-class RecordingWriter:
-    """A checkpoint writer whose behaviour is chosen per process (`mode`) or per write (kwargs).
-
-    Each write first appends to ``<out_dir>/log.txt`` and leaves ``<path>.started`` (holding the
-    writer's pid), then sleeps `delay` s and does what `mode` says; "ok" saves a json record of
-    the pid, rank_info, remaining kwargs and `digest_tree` of the state dict at `path`.
-    """
-
-    def __init__(
-        self,
-        rank_info: Any,
-        out_dir: str,
-        mode: str = "ok",
-        delay: float = 0.0,
-        close_error: str | None = None,
-        close_mode: str = "ok",
-    ) -> None:
-        if mode == "fail_init":
-            raise LookupError("RecordingWriter cannot find its storage backend")
-        self.rank_info = rank_info
-        self.out_dir = Path(out_dir)
-        self.mode = mode
-        self.delay = delay
-        self.close_error = close_error
-        self.close_mode = close_mode
-
-    def _log(self, text: str) -> None:
-        with (self.out_dir / "log.txt").open("a") as log:
-            log.write(f"{os.getpid()} {text}\n")
-
-    def write(self, path: str, state_dict: Any, **kwargs: Any) -> None:
-        mode = kwargs.pop("mode", self.mode)
-        delay = kwargs.pop("delay", self.delay)
-        target = Path(path)
-        if mode == "hang_ignoring_sigterm":  # before the marker, so the parent never races it
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        self._log(f"start {target.name}")
-        _atomic_write(Path(f"{target}.started"), str(os.getpid()))
-        if delay:
-            time.sleep(delay)
-        if mode == "raise":
-            raise ValueError(f"writer refused {target.name}: disk on fire")
-        if mode == "hang":
-            _hang()
-        if mode == "hang_ignoring_sigterm":
-            _hang()
-        if mode == "exit":
-            os._exit(7)
-        if mode == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-            _hang()
-        if mode == "stop":
-            os.kill(os.getpid(), signal.SIGSTOP)
-            _hang()  # continued by mistake: still never answers
-        if mode != "ok":
-            raise ValueError(f"unknown mode {mode!r}")
-        record = {
-            "pid": os.getpid(),
-            "rank_info": self.rank_info,
-            "kwargs": kwargs,
-            "digest": digest_tree(state_dict),
-        }
-        _atomic_write(target, json.dumps(record))
-        self._log(f"done {target.name}")
-
-    def close(self) -> None:
-        if self.close_mode == "hang_ignoring_sigterm":
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _atomic_write(self.out_dir / f"closed-{os.getpid()}", "closed")
-        if self.close_mode != "ok":
-            _hang()
-        if self.close_error is not None:
-            raise RuntimeError(self.close_error)
-
-
-class ProgressingWriter(RecordingWriter):
-    """A RecordingWriter that reports progress as pyshmckpt's own writers do. Mode "crawl": the
-    write takes `delay` s, moving on every 0.2 s (a slow disk that keeps going), then saves."""
-
-    reports_progress = True
-
-    def write(self, path: str, state_dict: Any, **kwargs: Any) -> None:
-        mode = kwargs.pop("mode", self.mode)
-        delay = kwargs.pop("delay", self.delay)
-        if mode == "crawl":
-            _atomic_write(Path(f"{path}.started"), str(os.getpid()))
-            until = time.monotonic() + delay
-            while time.monotonic() < until:
-                progress.advance(4096)
-                time.sleep(0.2)
-            mode, delay = "ok", 0.0
-        super().write(path, state_dict, mode=mode, delay=delay, **kwargs)
-
-
-def init_ok(*args: Any) -> None:
-    pass
-
-
-def init_raise(message: str) -> None:
-    raise OSError(message)
-
-
-def init_sleep(seconds: float) -> None:
-    time.sleep(seconds)
-
-
-def init_exit(code: int) -> None:
-    os._exit(code)
 
 
 # --------------------------------------------------------------------------------------------
@@ -811,7 +666,7 @@ TRAINER = textwrap.dedent(
     import torch
 
     from pyshmckpt import CheckpointProcess, CheckpointProcessConfig
-    from test_writer_faults import RecordingWriter, init_ok
+    from writer_side import RecordingWriter, init_ok
 
 
     def main():
