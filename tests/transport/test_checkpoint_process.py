@@ -22,30 +22,20 @@ from torch.distributed.checkpoint._experimental.types import RankInfo
 import pyshmckpt
 from pyshmckpt import CheckpointProcess, CheckpointProcessConfig, ShmStager
 
-from writer_side import DescribingWriter, no_init
+from writer_side import DescribingWriter, describe, no_init
 
 TIMEOUT = 60
 RANK = RankInfo(global_rank=0, global_world_size=1)
 
 
 def describe_local(node):
-    if isinstance(node, torch.Tensor):
-        return {
-            "tensor": [str(node.dtype), list(node.shape)],
-            "sum": float(node.double().sum()) if node.numel() else 0.0,
-        }
-    if isinstance(node, dict):
-        return {
-            "type": type(node).__name__,
-            "items": [[repr(k), describe_local(v)] for k, v in node.items()],
-        }
-    if isinstance(node, (list, tuple)):
-        return {"type": type(node).__name__, "items": [describe_local(v) for v in node]}
-    return {"leaf": repr(node)}
+    """`describe` of a tree here, without where its tensors live (as `strip` leaves the
+    writer's)."""
+    return strip(describe(node))
 
 
 def strip(node):
-    """The writer's description without where tensors live, to compare with describe_local."""
+    """A description without where tensors live."""
     if isinstance(node, dict):
         return {k: strip(v) for k, v in node.items() if k not in ("cpu", "ptr")}
     if isinstance(node, list):

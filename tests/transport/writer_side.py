@@ -35,31 +35,34 @@ def torch_writer(**kwargs: Any) -> Any:
     return CheckpointWriter(config=CheckpointWriterConfig(), rank_info=kwargs["rank_info"])
 
 
+def describe(node: Any) -> Any:
+    """A JSON description of a tree: structure, tensor dtypes, shapes and sums, and where each
+    tensor lives (``cpu``, ``ptr``)."""
+    if isinstance(node, torch.Tensor):
+        return {
+            "tensor": [str(node.dtype), list(node.shape)],
+            "sum": float(node.double().sum()) if node.numel() else 0.0,
+            "cpu": node.device.type == "cpu",
+            "ptr": node.data_ptr(),
+        }
+    if isinstance(node, dict):
+        return {
+            "type": type(node).__name__,
+            "items": [[repr(k), describe(v)] for k, v in node.items()],
+        }
+    if isinstance(node, (list, tuple)):
+        return {"type": type(node).__name__, "items": [describe(v) for v in node]}
+    return {"leaf": repr(node)}
+
+
 class DescribingWriter:
-    """Writes a JSON description of what it received: structure, sums, where tensors live."""
+    """Writes a JSON description of what it received (`describe`)."""
 
     def __init__(self, rank_info: Any, tag: str = "") -> None:
         self.rank_info = rank_info
         self.tag = tag
 
-    def write(self, path: str, state_dict, **kwargs) -> None:
-        def describe(node):
-            if isinstance(node, torch.Tensor):
-                return {
-                    "tensor": [str(node.dtype), list(node.shape)],
-                    "sum": float(node.double().sum()) if node.numel() else 0.0,
-                    "cpu": node.device.type == "cpu",
-                    "ptr": node.data_ptr(),
-                }
-            if isinstance(node, dict):
-                return {
-                    "type": type(node).__name__,
-                    "items": [[repr(k), describe(v)] for k, v in node.items()],
-                }
-            if isinstance(node, (list, tuple)):
-                return {"type": type(node).__name__, "items": [describe(v) for v in node]}
-            return {"leaf": repr(node)}
-
+    def write(self, path: str, state_dict: Any, **kwargs: Any) -> None:
         out = {
             "tree": describe(state_dict),
             "kwargs": {k: repr(v) for k, v in kwargs.items()},
