@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     from . import bench
-    from .demo import options as demo
+    from .demo import options as demo_options
 
     parser = argparse.ArgumentParser(prog="pyshmckpt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -203,7 +203,7 @@ def _main(argv: list[str] | None) -> int:
         "demo",
         help="train a small GPT, checkpoint it through pyshmckpt and through torch's transport, compare",
     )
-    demo.add_arguments(demo_parser)
+    demo_options.add_arguments(demo_parser)
     demo_parser.set_defaults(run=_demo)
     bench_parser = sub.add_parser(
         "bench", help="run the benchmark suite (bench/), print the comparison, write JSON and plots"
