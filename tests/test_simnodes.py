@@ -209,7 +209,9 @@ def test_a_harness_whose_process_was_killed_is_swept_by_the_next(available, tmp_
 
         with simulated_nodes(1, shm_size="16m") as nodes:
             tag, (keeper,) = nodes[0].bridge.removesuffix("br"), nodes[0].processes()
-            pathlib.Path({str(ready)!r}).write_text(f"{{tag}} {{keeper}}")
+            partial = pathlib.Path({str(ready)!r} + ".partial")
+            partial.write_text(f"{{tag}} {{keeper}}")
+            partial.rename({str(ready)!r})  # whole or absent: the test kills this process on sight
             time.sleep(600)
         """
     )
