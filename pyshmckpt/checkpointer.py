@@ -1,6 +1,6 @@
 """Checkpointer: one object to save training state durably and asynchronously, and load it.
 
-The front door over the layers below: a `ShmStager` stages each save, a `CheckpointProcess`
+The front door over the layers below: a `SlotStager` stages each save, a `CheckpointProcess`
 hands it to the writer process, which runs a writer from the storage registry and commits the
 checkpoint directory (across ranks too).
 """
@@ -39,7 +39,7 @@ from .errors import (
 )
 from .shm.native import Segment
 from .shm.stale import SHM_DIR, parent_pid, process_start_ticks, set_owner
-from .staging import ShmStager
+from .staging import SlotStager
 from .storage import (
     commit,
     liveness,
@@ -348,7 +348,7 @@ class Checkpointer:
         taken = self._claim_held(capacity_bytes) if self._hold else None
         self._taken: dict[str, Any] | None = None
         try:
-            self._stager = ShmStager(
+            self._stager = SlotStager(
                 capacity_bytes=None if taken is not None else capacity_bytes,
                 slots=slots,
                 validate=_check_plain if plain_only else None,
@@ -770,7 +770,7 @@ class Checkpointer:
     @staticmethod
     def _finalize(
         process: CheckpointProcess,
-        stager: ShmStager,
+        stager: SlotStager,
         heartbeat: liveness.Heartbeat | None,
         hold: bool,
     ) -> None:

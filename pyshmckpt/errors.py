@@ -159,7 +159,7 @@ class SlotStateError(PyshmckptError, RuntimeError):
 
 
 class StagerClosedError(PyshmckptError, RuntimeError):
-    """Raised when a ``ShmStager`` or an ``Arena`` is used after ``close()``.
+    """Raised when a stager (``SlotStager``, ``ShmStager``) or an ``Arena`` is used after close.
 
     Derives from `PyshmckptError` and `RuntimeError`.
     """

@@ -20,6 +20,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -39,6 +41,7 @@ from helpers import (
     SAVE_TIMEOUT,
     assert_same_tree,
     bounded_config,
+    child_env,
     failure_of,
     gpt_state,
     hidden,
@@ -95,6 +98,34 @@ def test_save_returns_a_snapshot_the_source_may_change_at_once(shared, trained):
     assert not same_bytes(model.state_dict()["pos"], before["model"]["pos"])
     path = future.result(timeout=SAVE_TIMEOUT)
     assert_same_tree(before, pyshmckpt.load(path))
+
+
+# A trainer that saves and loads plain tensors through the Checkpointer: DCP, DTensor (and with
+# them TorchDynamo and SymPy, seconds of CPU) are never imported. Prints what it loaded and those
+# of the modules it has.
+PLAIN_TRAINER = """
+import sys
+
+import torch
+
+import pyshmckpt
+
+with pyshmckpt.Checkpointer(sys.argv[1]) as ck:
+    ck.save({"w": torch.arange(6.0), "step": 3}, name="s3").result(timeout=60)
+    state = ck.load()
+heavy = ("torch.distributed.checkpoint", "torch.distributed.tensor", "torch._dynamo", "sympy")
+print(state["step"], state["w"].tolist(), sorted(m for m in heavy if m in sys.modules))
+"""
+
+
+def test_a_checkpointer_of_plain_tensors_loads_no_dcp(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", PLAIN_TRAINER, str(tmp_path / "ck")],
+        capture_output=True, text=True, env=child_env(), cwd=str(tmp_path), timeout=CLI_TIMEOUT,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "3 [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] []", done.stdout
 
 
 def test_latest_follows_the_newest_checkpoint(shared):

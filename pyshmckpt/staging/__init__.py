@@ -1,10 +1,12 @@
 """Layer 2, staging: lay a state dict out in a slot and copy it there.
 
 `layout.plan` validates a state dict and assigns every storage a block of the slot (`StagingPlan`, whose
-`Manifest` describes the result); `ShmStager` takes a free slot from its arena, runs the copies
+`Manifest` describes the result); `SlotStager` takes a free slot from its arena, runs the copies
 (CPU: native thread pool, GIL released; CUDA: batched device-to-host on a side stream) and hands
 out the staged state dict, or leases the slot to a consumer. `SlotViews` rebuilds a staged state
-dict from a mapped slot in the writer process.
+dict from a mapped slot in the writer process. `ShmStager` is a SlotStager with torch's stager
+protocols (DCP's ``AsyncStager``, the ``_experimental`` ``CheckpointStager``), in a module of its
+own because those load DCP.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from .._lazy import exports
 if TYPE_CHECKING:
     from .layout import StagingPlan, plan
     from .manifest import Manifest, TensorEntry
-    from .stager import ShmStager, StagedHandle, lease_staged
+    from .shm_stager import ShmStager
+    from .stager import SlotStager, StagedHandle, lease_staged
     from .views import SlotViews
 
 # Imported on first use (see _lazy): the writer process loads only the modules it runs.
@@ -27,7 +30,8 @@ __getattr__, __dir__ = exports(
         "plan": "layout",
         "Manifest": "manifest",
         "TensorEntry": "manifest",
-        "ShmStager": "stager",
+        "ShmStager": "shm_stager",
+        "SlotStager": "stager",
         "StagedHandle": "stager",
         "lease_staged": "stager",
         "SlotViews": "views",
@@ -37,6 +41,7 @@ __getattr__, __dir__ = exports(
 __all__ = [
     "Manifest",
     "ShmStager",
+    "SlotStager",
     "SlotViews",
     "StagedHandle",
     "StagingPlan",

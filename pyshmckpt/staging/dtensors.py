@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import hashlib
 import pickle
+import sys
 from typing import Any
 
 import torch
@@ -28,12 +29,21 @@ PlacementData = tuple[Any, ...]
 @functools.cache
 def dtensor_type() -> type | None:
     """torch's DTensor class, or None where torch was built without distributed support
-    (imported on first use: it costs a few ms)."""
+    (imported on first use: the import loads TorchDynamo and SymPy, seconds of CPU)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed
         return None
     return DTensor
+
+
+def loaded_dtensor_type() -> type | None:
+    """torch's DTensor class if this process has imported it, else None: what telling whether an
+    object is a DTensor needs, since no DTensor exists before its module is imported. A state
+    dict without DTensors never pays for the import (see `dtensor_type`)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return None
+    return dtensor_type()
 
 
 @dataclasses.dataclass(frozen=True)

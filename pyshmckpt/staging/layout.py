@@ -29,7 +29,7 @@ from .. import _torch_private, knobs
 from ..errors import CudaUnavailableError, UnsupportedValueError
 from ..shm import cuda
 from .arrays import ArrayTensors, array_flag, numpy_problem
-from .dtensors import Sharding, dtensor_type, shard_info
+from .dtensors import Sharding, loaded_dtensor_type, shard_info
 from .manifest import (
     DICT,
     LEAF,
@@ -136,7 +136,7 @@ class _Walker:
         self.index: dict[int, int] = {}
         # tensor index -> (the DTensor whose local shard it is, its ShardInfo)
         self.dtensors: dict[int, tuple[Any, Any]] = {}
-        self.dtensor_type = dtensor_type()
+        self.dtensor_type = loaded_dtensor_type()
         self.array_tensors = ArrayTensors()
         self.array_flags: dict[int, int] = {}  # tensor index -> NUMPY or CUPY: it was an array
         self.active: set[int] = set()

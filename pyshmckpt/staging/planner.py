@@ -23,7 +23,7 @@ import torch
 from .. import _torch_private
 from ..errors import UnsupportedValueError
 from .arrays import ArrayTensors, array_flag, device_array_problem, numpy_problem
-from .dtensors import Sharding, dtensor_type, shard_info
+from .dtensors import Sharding, loaded_dtensor_type, shard_info
 from .layout import (
     ATOMIC,
     BlockMap,
@@ -203,7 +203,7 @@ class _Matcher:
         if flag is not None:
             self.tensors[index] = self._array(obj, flag)
         elif index in self.dtensors:
-            if cls is not dtensor_type():
+            if cls is not loaded_dtensor_type():
                 raise _Mismatch("a DTensor is now something else")
             try:
                 info = shard_info(obj)
@@ -288,7 +288,7 @@ class _Matcher:
         elif flag:
             # Whether torch can view it is known only by trying: a full plan does.
             problem = device_array_problem(obj)
-        elif not isinstance(obj, torch.Tensor) or type(obj) is dtensor_type():
+        elif not isinstance(obj, torch.Tensor) or type(obj) is loaded_dtensor_type():
             raise _Mismatch("a pickled value changed kind")
         else:
             problem = tensor_problem(obj)

@@ -1,7 +1,7 @@
-"""ShmStager: stages state dicts into shared-memory slots (PyTorch's stager protocols).
+"""SlotStager: stages state dicts into shared-memory slots (`ShmStager` adds torch's protocols).
 
 Only the arena and this module move a slot through its states. A consumer (the writer
-transport) leases the slot of a staged state dict with `lease_staged` or `ShmStager.stage_leased`
+transport) leases the slot of a staged state dict with `lease_staged` or `SlotStager.stage_leased`
 and gives it back once the writer no longer reads it.
 """
 
@@ -13,7 +13,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -30,28 +30,22 @@ from ..errors import (
 from ..shm import Arena, Slot, SlotAddress, SlotState
 from ..shm.native import Segment, set_copy_threads
 from . import layout, planner
-from .dtensors import dtensor_type
+from .dtensors import loaded_dtensor_type
 from .manifest import Manifest, contiguous_stride, rebuild, tensor_steps
 
 logger = logging.getLogger(__name__)
 
-try:  # DCP's protocol (torch >= 2.4)
-    from torch.distributed.checkpoint.staging import AsyncStager as _AsyncStager
-except ImportError:  # pragma: no cover - torch built without distributed
-    _AsyncStager = object  # type: ignore[assignment,misc]
-_CheckpointStager = _torch_private.experimental_or_none("staging", "CheckpointStager") or object
-
 # Every live stager, so that a consumer handed a staged state dict can find the one that staged it.
-_STAGERS: weakref.WeakSet[ShmStager] = weakref.WeakSet()
+_STAGERS: weakref.WeakSet[SlotStager] = weakref.WeakSet()
 
-_bases = tuple(dict.fromkeys(b for b in (_CheckpointStager, _AsyncStager) if b is not object))
+_Stager = TypeVar("_Stager", bound="SlotStager")
 
 
 class StagedHandle:
     """Where a staged state dict lives: its arena, slot, generation and manifest.
 
-    A handle from `ShmStager.handle` only describes the slot. One from `ShmStager.lease` or
-    `ShmStager.stage_leased` (or ``lease_staged``) also holds the slot for a write: it is
+    A handle from `SlotStager.handle` only describes the slot. One from `SlotStager.lease` or
+    `SlotStager.stage_leased` (or ``lease_staged``) also holds the slot for a write: it is
     neither freed nor overwritten until `give_back`, which the holder must call once the writer
     no longer reads the slot.
 
@@ -67,7 +61,7 @@ class StagedHandle:
     __slots__ = ("arena", "slot", "generation", "manifest", "_stager", "_owned", "_leased")
 
     def __init__(
-        self, stager: ShmStager, slot: Slot, *, leased: bool = False, owned: bool = False
+        self, stager: SlotStager, slot: Slot, *, leased: bool = False, owned: bool = False
     ) -> None:
         self.arena = slot.arena
         self.slot = slot
@@ -88,14 +82,14 @@ class StagedHandle:
         """Every live segment of the stager that staged this state dict.
 
         Returns:
-            (name, data size in bytes, token) of each, as `ShmStager.segments`.
+            (name, data size in bytes, token) of each, as `SlotStager.segments`.
         """
         return self._stager.segments()
 
     def give_back(self) -> None:
         """End the lease: the writer no longer reads the slot.
 
-        A slot staged for the lease alone (`ShmStager.stage_leased`) is free again; one the
+        A slot staged for the lease alone (`SlotStager.stage_leased`) is free again; one the
         caller staged is READY again and frees itself once the caller drops (or releases) its
         staged state dict. Idempotent, and a no-op for a handle that holds no lease; may be
         called from any thread.
@@ -106,16 +100,16 @@ class StagedHandle:
         self.arena.transition(self.slot, SlotState.FREE if self._owned else SlotState.READY)
 
 
-class ShmStager(*_bases):  # type: ignore[misc]
-    """Stage state dicts into a ring of shared-memory slots (torch's stager protocols).
+class SlotStager:
+    """Stage state dicts into a ring of shared-memory slots.
 
     `stage` copies every tensor (CPU: thread pool, GIL released; CUDA: batched device-to-host
     copies on a side stream) into a free slot and returns the same structure with CPU tensors
     that view the slot. NumPy arrays, and CuPy arrays (objects with ``__cuda_array_interface__``),
     are staged as the tensors that view them and come back as NumPy arrays over the slot
-    (`pyshmckpt.load` gives a CuPy array back). It implements DCP's ``AsyncStager`` (pass it as
-    ``dcp.async_save(..., async_stager=ShmStager())``) and the ``CheckpointStager`` of torch's
-    ``_experimental`` checkpointer. It is an ordinary state dict to every consumer: each staged
+    (`pyshmckpt.load` gives a CuPy array back). `ShmStager` is this stager with torch's stager
+    protocols, for DCP and torch's checkpointers; the `Checkpointer` stages with this class, which
+    loads none of DCP. The staged state dict is an ordinary state dict to every consumer: each staged
     block (the bytes of one source storage) is a storage of its own, so torch.save writes each
     tensor's bytes once and mixed dtypes are fine; torch's multiprocessing pickler (DCP's process
     executor, torch's CheckpointProcess) sends a whole slot as a single file descriptor
@@ -207,7 +201,6 @@ class ShmStager(*_bases):  # type: ignore[misc]
         self._allow_growth = bool(allow_growth)
         self._pin = pin
         self._async = bool(async_staging)
-        self._synchronize_after_execute = not self._async
         self._generations = itertools.count()
         self._lock = threading.RLock()
         # The newest arena takes new stages; older ones are closed once idle. The finalizer holds
@@ -224,7 +217,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
         if self._async:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyshmckpt-stage")
         self._closed = False
-        self._finalizer = weakref.finalize(self, ShmStager._finalize, self._arenas)
+        self._finalizer = weakref.finalize(self, SlotStager._finalize, self._arenas)
         _STAGERS.add(self)
 
     # -- public API -------------------------------------------------------------------------
@@ -286,16 +279,6 @@ class ShmStager(*_bases):  # type: ignore[misc]
         future = self._executor.submit(self._staged, state_dict, staging_plan, events)
         self._pending = future
         return future
-
-    def synchronize_staging(self) -> None:
-        """Block until the last asynchronous stage finished (DCP's ``AsyncStager`` protocol).
-
-        Raises:
-            PyshmckptError: what that stage failed with (see `stage`).
-        """
-        pending = self._pending
-        if pending is not None:
-            pending.result()
 
     def handle(self, staged: Any) -> StagedHandle | None:
         """Describe where a state dict this stager returned is staged.
@@ -413,7 +396,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
         self._closed = True
         self._finalizer()
 
-    def __enter__(self) -> ShmStager:
+    def __enter__(self: _Stager) -> _Stager:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -421,13 +404,13 @@ class ShmStager(*_bases):  # type: ignore[misc]
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else repr(self.arena)
-        return f"<ShmStager {state}>"
+        return f"<{type(self).__name__} {state}>"
 
     # -- internals --------------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed or self._closing:
-            raise StagerClosedError("ShmStager is closed")
+            raise StagerClosedError("the stager is closed")
 
     @staticmethod
     def _finalize(arenas: list[Arena]) -> None:
@@ -447,7 +430,7 @@ class ShmStager(*_bases):  # type: ignore[misc]
     def _slot_for(self, nbytes: int) -> Slot:
         with self._lock:
             if self._closed:
-                raise StagerClosedError("ShmStager is closed")
+                raise StagerClosedError("the stager is closed")
             arena = self.arena
             if arena is None or nbytes > arena.slot_capacity:
                 if arena is not None and not self._allow_growth:
@@ -726,7 +709,7 @@ def _views_slot(staged: Any, slot: Slot) -> bool:
     if type(node) is np.ndarray:  # an array staged over the slot
         address = int(node.__array_interface__["data"][0])
     elif isinstance(node, torch.Tensor):
-        if type(node) is dtensor_type():
+        if type(node) is loaded_dtensor_type():
             node = _torch_private.local_tensor(node)
         address = node.untyped_storage().data_ptr()  # each block is a storage of its own
     else:
@@ -736,8 +719,8 @@ def _views_slot(staged: Any, slot: Slot) -> bool:
 
 
 def lease_staged(staged: Any) -> StagedHandle | None:
-    """Lease the slot of `staged` from whichever live ShmStager staged it (see
-    `ShmStager.lease`); None when no stager did."""
+    """Lease the slot of `staged` from whichever live stager staged it (see
+    `SlotStager.lease`); None when no stager did."""
     for stager in list(_STAGERS):
         if stager.closed:
             continue

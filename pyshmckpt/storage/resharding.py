@@ -33,7 +33,7 @@ from ..errors import (
     CheckpointMismatchError,
     NotSupportedError,
 )
-from ..staging.dtensors import ShardInfo, dtensor_type, placement_data
+from ..staging.dtensors import ShardInfo, loaded_dtensor_type, placement_data
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class RankFile:
 
 def holds_dtensors(obj: Any) -> bool:
     """Whether a (nested) state dict holds any DTensor."""
-    dtensor = dtensor_type()
+    dtensor = loaded_dtensor_type()
     if dtensor is None:
         return False
     stack = [obj]
@@ -269,7 +269,7 @@ def _fill_tensor(target: torch.Tensor, sources: list[Any], job: _Job, path: str)
         raise CheckpointMismatchError(
             f"{path}: the checkpoint holds {type(source).__name__}, the target a tensor"
         )
-    is_dtensor = type(target) is dtensor_type()
+    is_dtensor = type(target) is loaded_dtensor_type()
     if not is_dtensor and files[primary].info(source) is None:
         # A plain tensor saved plain: from the primary rank's file, as load() reads it.
         if target.shape != source.shape:

@@ -30,7 +30,7 @@ from ..errors import (
     WriteTimeoutError,
 )
 from ..shm import collect_stale_segments
-from ..staging import ShmStager, lease_staged
+from ..staging import SlotStager, lease_staged
 from . import launcher
 from .child import OrphanPolicy, RankInfo, no_init
 from .parent import WriterProcess
@@ -180,9 +180,9 @@ class CheckpointProcess:
 
     `write` returns a Future that resolves when the writer's
     ``write(path=..., state_dict=..., **kwargs)`` returned in the subprocess. A state dict staged
-    by a ``ShmStager`` crosses as its manifest only; any other is first staged into an internal
-    slot (one copy, before write() returns, so training may change the source right after). A
-    Future of a state dict is resolved in the background.
+    by a ``SlotStager`` (a ``ShmStager`` is one) crosses as its manifest only; any other is first
+    staged into an internal slot (one copy, before write() returns, so training may change the
+    source right after). A Future of a state dict is resolved in the background.
 
     Failures: a writer that raises fails that write (``WriterError``, with its traceback); a
     writer that dies fails its writes at once with ``WriterDiedError`` naming the exit code or
@@ -202,7 +202,7 @@ class CheckpointProcess:
     writer (so the script needs an ``if __name__ == "__main__":`` guard). ``lean_writer`` (not in
     torch's API) forces the choice: True, a fresh interpreter; False, spawn.
 
-    It owns the writer process and an internal `ShmStager`; `close` (or the end of a ``with``
+    It owns the writer process and an internal `SlotStager`; `close` (or the end of a ``with``
     block) stops the one and frees the other, as do garbage collection and interpreter exit
     (their errors then logged).
 
@@ -269,7 +269,7 @@ class CheckpointProcess:
         self._lean_writer = bool(lean_writer)
         if config.collect_stale_segments:
             collect_stale_segments()
-        self._stager = ShmStager(
+        self._stager = SlotStager(
             capacity_bytes=config.capacity_bytes,
             slots=config.slots,
             slot_timeout=config.slot_timeout_secs,
@@ -324,23 +324,23 @@ class CheckpointProcess:
         return self._writer.pid
 
     @property
-    def stager(self) -> ShmStager:
-        """The stager used for state dicts that were not staged by a ShmStager."""
+    def stager(self) -> SlotStager:
+        """The stager used for state dicts that were not staged by a stager of pyshmckpt."""
         return self._stager
 
     def write(self, state_dict: Any, path: Any, **kwargs: Any) -> Future[None]:
         """Persist `state_dict` (or the result of a Future of one) at `path` in the writer.
 
-        A state dict staged by a `ShmStager` crosses as its manifest; any other is first copied
-        into an internal slot, before this returns (blocking; the caller may change the source
-        right after). A Future of a state dict is awaited in the background (bounded by
+        A state dict staged by a `SlotStager` (a `ShmStager` is one) crosses as its manifest; any
+        other is first copied into an internal slot, before this returns (blocking; the caller
+        may change the source right after). A Future of a state dict is awaited in the background (bounded by
         ``write_timeout_secs``). A writer process that died is restarted first (within
         ``max_restarts``). As torch's, a writer that failed to start raises here: after
         waiting for its start (bounded by the init timeout) unless ``wait_for_start=False``,
         and then only once its start has failed.
 
         Args:
-            state_dict: a state dict (staged by a `ShmStager` or not), or a Future of one.
+            state_dict: a state dict (staged by a `SlotStager` or not), or a Future of one.
             path: where the writer writes it (handed to the writer as it is).
             **kwargs: passed to the writer's ``write`` (they must pickle).
 
@@ -519,7 +519,7 @@ class CheckpointProcess:
     @staticmethod
     def _finalize(
         writers: list[WriterProcess],
-        stager: ShmStager,
+        stager: SlotStager,
         executor: ThreadPoolExecutor,
         abort: bool = False,
     ) -> list[BaseException]:
@@ -539,7 +539,7 @@ class CheckpointProcess:
 
     @staticmethod
     def _finalize_quietly(
-        writers: list[WriterProcess], stager: ShmStager, executor: ThreadPoolExecutor
+        writers: list[WriterProcess], stager: SlotStager, executor: ThreadPoolExecutor
     ) -> None:
         """close() for the garbage collector and interpreter exit: what fails is logged."""
         for error in CheckpointProcess._finalize(writers, stager, executor):
