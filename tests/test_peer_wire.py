@@ -103,9 +103,9 @@ def held_checkpoint(values: np.ndarray) -> tuple[dict[str, Any], Any, Any, Any]:
     import torch
 
     from pyshmckpt.shm import AttachedSegments
-    from pyshmckpt.staging.stager import ShmStager
+    from pyshmckpt.staging import SlotStager
 
-    stager = ShmStager(slots=1)
+    stager = SlotStager(slots=1)
     staged = stager.stage({"w": torch.from_numpy(values), "step": 3})
     handle = stager.handle(staged)
     attached = AttachedSegments()
