@@ -258,11 +258,13 @@ class _Invalid(ValueError):
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise _Invalid(f"duplicate key {ascii(key)}")
-        obj[key] = value
+    obj = dict(pairs)  # in C: a header holds one object per tensor
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _Invalid(f"duplicate key {ascii(key)}")
+            seen.add(key)
     return obj
 
 
