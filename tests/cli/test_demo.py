@@ -319,3 +319,42 @@ def test_sigint_to_the_process_group_stops_everything(tmp_path, flags, delay):
         for stream in (demo_process.stdout, demo_process.stderr):
             if stream is not None:
                 stream.close()
+
+
+# Two peers of multiprocessing's descriptor server (resource_sharer) that connect and vanish
+# mid-handshake, as torch's writer killed by the demo's Ctrl-C cleanup does: the first before the
+# demo quiets the server's reports, the second after.
+CUT_PEERS = """
+import os, socket, sys, time
+from multiprocessing import resource_sharer
+
+from pyshmckpt.cli.demo import run
+
+read_end, _ = os.pipe()
+resource_sharer.DupFd(read_end)  # what pickling a tensor for torch's writer does: starts the server
+address = resource_sharer._resource_sharer._address
+
+
+def cut_peer():
+    peer = socket.socket(socket.AF_UNIX)
+    peer.connect(address)
+    peer.close()  # before answering the server's challenge
+    time.sleep(1.0)  # the server thread reports meanwhile
+
+
+cut_peer()
+print("--- quiet from here", file=sys.stderr, flush=True)
+run._quiet_fd_server()
+cut_peer()
+"""
+
+
+def test_a_writer_killed_mid_descriptor_transfer_prints_no_traceback(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", CUT_PEERS], capture_output=True, text=True, env=child_env(),
+        cwd=str(tmp_path), timeout=RUN_TIMEOUT, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    before, after = done.stderr.split("--- quiet from here")
+    assert "Traceback" in before and "resource_sharer.py" in before, before  # what it quiets
+    assert after.strip() == "", after

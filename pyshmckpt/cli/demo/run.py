@@ -58,6 +58,8 @@ from .checks import compare, same_bits, snapshot, state_nbytes
 from .shm_usage import ShmAccount, ShmemMonitor, on_shmem_filesystem
 from .signals import Terminated, sigint_blocked, sigint_deferred, sigterm_unwinds, writer_init
 
+logger = logging.getLogger(__name__)
+
 INIT_TIMEOUT = 120.0  # seconds a writer subprocess may take to start (python + torch import)
 SHUTDOWN_TIMEOUT = 15.0  # seconds a writer subprocess may take to exit when closed
 WRITE_TIMEOUT = 600.0  # seconds one checkpoint may take until durable
@@ -514,6 +516,32 @@ def _outcome(future: Future[Any], timeout: float, *, late: str, failed: str) -> 
         raise _DemoFailed(f"{failed}: {type(exc).__name__}: {exc}") from exc
 
 
+def _quiet_fd_server() -> None:
+    """From now on, drop the connection errors that multiprocessing's file-descriptor server
+    thread reports through sys.excepthook. That thread (``multiprocessing.resource_sharer``)
+    hands torch's writer the descriptor of each tensor it unpickles; killing the writer in the
+    middle of one cuts the connection, and the thread would print the traceback of an error that
+    is none here. Kept until the demo exits: the thread may report after the kill returned."""
+    previous = sys.excepthook
+    if getattr(previous, "fd_server_quiet", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        outermost = tb.tb_frame.f_code if tb is not None else None
+        if (
+            issubclass(kind, (ConnectionError, EOFError))
+            and outermost is not None
+            and outermost.co_name == "_serve"
+            and Path(outermost.co_filename).name == "resource_sharer.py"
+        ):
+            logger.debug("multiprocessing's descriptor server: %s (torch's writer killed)", value)
+            return
+        previous(kind, value, tb)
+
+    hook.fd_server_quiet = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
 def _close_torch_process(process: Any, abort: bool) -> None:
     """Close torch's CheckpointProcess; with `abort`, kill its subprocess first, so that close()
     (which waits for a pending write) returns at once."""
@@ -521,9 +549,10 @@ def _close_torch_process(process: Any, abort: bool) -> None:
         process.close()
         return
     # Its pipe breaks when the child is killed; torch logs that as an error, which it is not here.
-    logger = logging.getLogger(f"{_torch_private.EXPERIMENTAL_PACKAGE}.checkpoint_process")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    torch_logger = logging.getLogger(f"{_torch_private.EXPERIMENTAL_PACKAGE}.checkpoint_process")
+    level = torch_logger.level
+    torch_logger.setLevel(logging.CRITICAL)
+    _quiet_fd_server()
     try:
         context = getattr(process, "process", None)
         for child in getattr(context, "processes", None) or []:
@@ -532,7 +561,7 @@ def _close_torch_process(process: Any, abort: bool) -> None:
                 child.join(SHUTDOWN_TIMEOUT)
         process.close()
     finally:
-        logger.setLevel(level)
+        torch_logger.setLevel(level)
 
 
 def main(args: argparse.Namespace) -> int:
