@@ -356,5 +356,6 @@ def test_a_writer_killed_mid_descriptor_transfer_prints_no_traceback(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     before, after = done.stderr.split("--- quiet from here")
-    assert "Traceback" in before and "resource_sharer.py" in before, before  # what it quiets
+    assert "Traceback" in before, before  # what it quiets
+    assert "resource_sharer.py" in before, before
     assert after.strip() == "", after
