@@ -38,6 +38,11 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("replication_worker.py")
 RENDEZVOUS_PORT = 29400  # ports are per simulated node: any is free
 RUN_TIMEOUT = 300  # seconds a launch may take (tens on an idle machine)
+# A lost node's agent stays a participant of the rendezvous until its heartbeats are missed:
+# keep_alive_interval x keep_alive_max_attempt seconds (5 x 3 by default), which every restart
+# with a replaced node would wait. Heartbeats every second, 5 missed: a lost agent is dropped
+# within 5 s, and a live one on a busy machine is not.
+RENDEZVOUS_CONF = "keep_alive_interval=1,keep_alive_max_attempt=5"
 
 
 def torchrun(node: Node, nodes: list[Node], root: Path, out: Path, log: IO[str]):
@@ -45,6 +50,7 @@ def torchrun(node: Node, nodes: list[Node], root: Path, out: Path, log: IO[str])
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
         "--max-restarts", "2", "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"{nodes[0].address}:{RENDEZVOUS_PORT}", "--rdzv-id", "replication",
+        "--rdzv-conf", RENDEZVOUS_CONF,
         str(WORKER), str(root), str(out),
     ]  # fmt: skip
     env = child_env() | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
