@@ -25,8 +25,7 @@ import torch
 
 import pyshmckpt
 from pyshmckpt import Checkpointer, CheckpointProcessConfig
-from pyshmckpt.storage import WriterSpec, commit, liveness, register_writer, writer_spec
-from pyshmckpt.storage.safetensors_writer import SafetensorsWriter
+from pyshmckpt.storage import commit, liveness
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = Path(pyshmckpt.__file__).resolve().parent.parent
@@ -287,30 +286,3 @@ def flip_tensor_byte(d: Path) -> None:
     data = bytearray(st.read_bytes())
     data[start + (begin + end) // 2] ^= 0x5A
     st.write_bytes(bytes(data))
-
-
-SLOW_WRITE_SECONDS = 1.5
-
-
-class SlowSafetensorsWriter(SafetensorsWriter):
-    """The default writer on a slow disk: each write first sleeps SLOW_WRITE_SECONDS, so a save
-    is certainly still being written when the test acts (kills the trainer, closes)."""
-
-    def write_slot(self, path: str, slot: Any, manifest: Any, **kwargs: Any) -> None:
-        time.sleep(SLOW_WRITE_SECONDS)
-        super().write_slot(path, slot, manifest, **kwargs)
-
-
-def register_slow_writer() -> str:
-    """Make SlowSafetensorsWriter selectable as ``Checkpointer(writer=...)``; returns its name."""
-    spec = writer_spec("safetensors")
-    register_writer(
-        WriterSpec(
-            "slow-safetensors",
-            SlowSafetensorsWriter,
-            "safetensors after a pause (tests)",
-            options=spec.options,
-            multi_rank=True,
-        )  # fmt: skip
-    )
-    return "slow-safetensors"

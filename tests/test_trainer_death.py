@@ -23,7 +23,7 @@ TRAINER = textwrap.dedent(
     import torch
 
     import pyshmckpt
-    from helpers import register_slow_writer
+    from slow_writer import register_slow_writer
 
     def main():
         root, rank, world, policy = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -134,7 +134,7 @@ CRASHING_TRAINER = textwrap.dedent(
     import torch
 
     import pyshmckpt
-    from helpers import register_slow_writer
+    from slow_writer import register_slow_writer
 
 
     def main():

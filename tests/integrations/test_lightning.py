@@ -26,11 +26,11 @@ from helpers import (
     child_env,
     free_port,
     hidden,
-    register_slow_writer,
     small_tmpfs,
     wait_until,
 )
 from lightning_app import STEPS_PER_EPOCH, Hyper, checkpoint_names, fit, same_parameters
+from slow_writer import register_slow_writer
 
 DDP_WORKER = Path(__file__).with_name("lightning_ddp_worker.py")
 TOP_K = {"every_n_train_steps": STEPS_PER_EPOCH, "save_top_k": 2, "monitor": "train_loss"}
