@@ -29,6 +29,7 @@ LAYERS = [
             "pyshmckpt.knobs",
             "pyshmckpt._log",
             "pyshmckpt._lazy",
+            "pyshmckpt._gc",
             "pyshmckpt._torch_private",
         },
     ),

@@ -12,20 +12,19 @@ in the part of the slot a writer may read). Anything that cannot be staged raise
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import gc
 import logging
 import operator
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from .. import _torch_private, knobs
+from .._gc import gc_paused
 from ..errors import CudaUnavailableError, UnsupportedValueError
 from ..shm import cuda
 from .arrays import ArrayTensors, array_flag, numpy_problem
@@ -719,28 +718,3 @@ def tensor_signature(tensors: list[torch.Tensor]) -> Signature:
 def tensor_flags(tensors: list[torch.Tensor]) -> Signature:
     """The rest of what a layout depends on: layout, requires_grad and the lazy conj/neg bits."""
     return tuple(list(map(get, tensors)) for get in _FLAG_GETTERS)
-
-
-_GC_LOCK = threading.Lock()
-_GC_PAUSES = [0, False]  # pauses in progress, whether automatic collection was on at the first
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector's automatic runs (not gc.collect()) for a stretch that
-    allocates thousands of small objects that refcounting frees: otherwise each stage triggers
-    full collections, whose cost grows with every object of the process, not with the state
-    dict. Nests and works across threads; the collector is re-enabled after the last pause only
-    if it was enabled before the first."""
-    with _GC_LOCK:
-        if _GC_PAUSES[0] == 0:
-            _GC_PAUSES[1] = gc.isenabled()
-            gc.disable()
-        _GC_PAUSES[0] += 1
-    try:
-        yield
-    finally:
-        with _GC_LOCK:
-            _GC_PAUSES[0] -= 1
-            if _GC_PAUSES[0] == 0 and _GC_PAUSES[1]:
-                gc.enable()

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .. import _torch_private
+from .._gc import gc_paused
 from ..errors import UnsupportedValueError
 from .arrays import ArrayTensors, array_flag, device_array_problem, numpy_problem
 from .dtensors import Sharding, loaded_dtensor_type, shard_info
@@ -28,7 +29,6 @@ from .layout import (
     ATOMIC,
     BlockMap,
     StagingPlan,
-    gc_paused,
     lay_out,
     tensor_flags,
     tensor_problem,

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .. import _torch_private, knobs
+from .._gc import gc_paused
 from ..errors import (
     CapacityError,
     ConfigError,
@@ -511,7 +512,7 @@ class SlotStager:
             state_dict, defer_flags=defer_flags and self._validate is None
         )
         if self._validate is not None:
-            with layout.gc_paused():  # it may allocate per tensor too (the JSON check does)
+            with gc_paused():  # it may allocate per tensor too (the JSON check does)
                 self._validate(staging_plan.manifest)
         return staging_plan
 
@@ -562,7 +563,7 @@ class SlotStager:
             if staging_plan.recheck is not None and (reason := staging_plan.recheck()) is not None:
                 raise _Relayout(reason)
             if not lease:  # building the staged tensors overlaps with the copies
-                with layout.gc_paused():
+                with gc_paused():
                     staged = rebuild(manifest, slot.storage, slot.offset)
             copies.wait()
         except BaseException as exc:

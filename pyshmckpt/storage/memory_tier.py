@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import knobs
+from .._gc import gc_paused
 from ..errors import CheckpointCorruptError, from_os_error
 from ..shm.stale import SHM_DIR, process_start_ticks, read_header
 from ..staging import Manifest
@@ -149,6 +150,7 @@ def publish(
     return path
 
 
+@gc_paused()
 def read_record(path: Path) -> dict[str, Any] | None:
     """A hold (or replica) record, or None when `path` is missing, not this user's, open to others or not a
     record."""
@@ -254,6 +256,7 @@ def holder_alive(record: dict[str, Any]) -> bool:
     return now is not None and (not ticks or now == ticks)
 
 
+@gc_paused()
 def open_held(record: dict[str, Any], source: str = "memory") -> OpenedRank:
     """The held checkpoint of `record`, opened like a rank's files: the manifest is the record's,
     the data file the segment (checked: this user's, 0600, the record's size and token).

@@ -16,6 +16,7 @@ from typing import IO, Any, NamedTuple
 
 import torch
 
+from .._gc import gc_paused
 from ..errors import CheckpointCorruptError, from_os_error
 from ..shm.native import copy_threads, crc32c
 from ..staging.manifest import ARRAY, ARRAY_DTYPES, DTYPES, PARAMETER, REQUIRES_GRAD
@@ -181,6 +182,7 @@ def _flagged(t: torch.Tensor, flags: int) -> torch.Tensor:
     return t
 
 
+@gc_paused()
 def open_rank(path: str | os.PathLike[str], rank: int) -> OpenedRank:
     """A rank's manifest, data file path, header and copy-on-write map of the data file, and the
     data file itself, open (the caller closes it)."""

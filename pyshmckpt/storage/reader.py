@@ -13,6 +13,7 @@ from typing import IO, Any
 import numpy as np
 import torch
 
+from .._gc import gc_paused
 from ..errors import (
     CheckpointCorruptError,
     ConfigError,
@@ -198,6 +199,7 @@ def _load_agreed(
             dist.destroy_process_group(group)
 
 
+@gc_paused()
 def _load_opened(
     opened: OpenedRank,
     rank: int,

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .. import knobs
+from .._gc import gc_paused
 from ..errors import (
     CheckpointCorruptError,
     ConfigError,
@@ -103,7 +104,7 @@ def choose(
         if held is not None:
             held.file.close()
         held, record, status = None, None, distrust[rank]
-    options = _options(root, rank, record, source)
+    options = _options(root, rank, record, source, timed=check or record is not None)
     choice = None
     try:
         if check:
@@ -319,21 +320,29 @@ def unusable(rank: int, reason: str) -> str:
     return reason
 
 
-def _options(root: Path, rank: int, record: dict[str, Any] | None, source: str) -> list[Option]:
-    """What this rank can restore: the newest committed checkpoint (and the held one's name when
-    it is committed too), and the held checkpoint."""
+def _options(
+    root: Path, rank: int, record: dict[str, Any] | None, source: str, *, timed: bool
+) -> list[Option]:
+    """What this rank can restore: the newest committed checkpoint, and the held checkpoint.
+
+    A manifest on disk is read for when its checkpoint was staged only where that is compared
+    (`timed`: a checkpoint is held, or several ranks agree), and never the held checkpoint's own
+    (its hold record says): a manifest of 8,192 tensors takes tens of milliseconds to parse."""
     held = str(record.get("name", "")) if record is not None else None
     out: list[Option] = []
     if source != "memory" and root.is_dir():
         names = [name for _, name in commit.committed(root)]
-        # The held checkpoint's own manifest on disk is not read: its hold record says when
-        # it was staged (a manifest of 8,192 tensors takes tens of milliseconds to parse).
-        out = [Option(n, _staged_ns(root / n, rank), False) for n in names[-1:] if n != held]
+        out = [
+            Option(n, _staged_ns(root / n, rank) if timed else 0, False)
+            for n in names[-1:]
+            if n != held
+        ]
     if record is not None and held:
         out.append(Option(held, int(record.get("staged_ns", 0)), True))
     return out
 
 
+@gc_paused()
 def _staged_ns(directory: Path, rank: int) -> int:
     """When a committed checkpoint was staged (0 where its manifest does not say)."""
     with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):

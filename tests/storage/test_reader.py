@@ -358,6 +358,25 @@ def test_flipped_byte_loads_without_verification_and_differs(tmp_path, gpt_check
     assert same_bytes(loaded["model"]["embed.weight"], expected["embed.weight"])
 
 
+def test_a_load_leaves_the_garbage_collector_as_it_found_it(tmp_path, gpt_checkpoint):
+    # A load pauses automatic collection while it parses the manifest and builds the state; a
+    # load that fails must not leave it off, nor turn it on where the caller had it off.
+    d = tmp_path / "ckpt"
+    shutil.copytree(gpt_checkpoint["path"], d)
+    pyshmckpt.load(d)
+    assert gc.isenabled()
+    flip_tensor_byte(d)
+    with pytest.raises(CheckpointCorruptError):
+        pyshmckpt.load(tmp_path)  # the root: restore's listing and the reader's both run
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        pyshmckpt.load(d, verify=False)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_a_root_without_checkpoints_is_reported(tmp_path):
     with pytest.raises(CheckpointCorruptError, match="missing"):
         pyshmckpt.load(tmp_path)
