@@ -61,7 +61,7 @@ def share_optimized_bytecode(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The slow tests first (in their order), so that two workers (`pytest -n 2`, stealing
+    # The slow tests first (in their order), so that the workers (`pytest -n 3`, stealing
     # work from each other) do not end with one of them running a long test alone.
     items.sort(key=lambda item: "slow" not in item.keywords)
     if pyshmckpt.cuda_available():
