@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import sys
 from collections.abc import Iterator
@@ -61,9 +62,7 @@ def share_optimized_bytecode(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The slow tests first (in their order), so that the workers (`pytest -n 3`, stealing
-    # work from each other) do not end with one of them running a long test alone.
-    items.sort(key=lambda item: "slow" not in item.keywords)
+    items[:] = spread_slow_tests(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     if pyshmckpt.cuda_available():
         return
     skip = pytest.mark.skip(
@@ -72,6 +71,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def spread_slow_tests(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
+    """The tests in the order that keeps `workers` xdist workers busy to the end.
+
+    Work stealing (pyproject.toml) first hands worker w the contiguous share
+    ``[w * n // workers, (w + 1) * n // workers)`` of the list, runs each share from its head, and
+    steals from a share's tail: so each share starts with its part of the slow tests (dealt in
+    turn) and is filled up with the others in their order. Slow tests bunched in one share would
+    run one after another on one worker while the others ran out of work."""
+    slow = [item for item in items if "slow" in item.keywords]
+    rest = iter(item for item in items if "slow" not in item.keywords)
+    n = len(items)
+    ordered: list[pytest.Item] = []
+    for w in range(workers):
+        share = slow[w::workers]
+        size = (w + 1) * n // workers - w * n // workers
+        ordered += share + list(itertools.islice(rest, max(0, size - len(share))))
+    return ordered + list(rest)
 
 
 @pytest.fixture(autouse=True)
