@@ -109,6 +109,22 @@ def no_leaked_segments():
         pytest.fail(f"test left shared-memory segments behind: {sorted(leaked)}")
 
 
+@pytest.fixture(autouse=True)
+def torch_determinism_restored():
+    """Put torch's deterministic-algorithms mode back after each test: a Lightning Trainer made
+    with ``deterministic=True`` turns it on for the whole process, and with it on, later tests'
+    ``torch.empty`` of some dtypes (bits8) raises."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    if cublas is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    else:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
+
+
 @pytest.fixture
 def stager():
     s = pyshmckpt.ShmStager(slot_timeout=0.5)

@@ -29,6 +29,7 @@ import torch
 
 from .. import _torch_private, knobs
 from .._log import warn_once
+from .._unfilled import unfilled
 from ..errors import (
     ConfigError,
     ConfigTypeError,
@@ -201,7 +202,7 @@ class Slot:
         base = self._bases.get(dtype)
         if base is None:
             count = self.segment.mapped_size // dtype.itemsize
-            base = torch.empty(0, dtype=dtype).set_(self.storage, 0, (count,), (1,))
+            base = unfilled((0,), dtype).set_(self.storage, 0, (count,), (1,))
             self._bases[dtype] = base
             self._baseline += 1  # the base's own reference to the storage
         return base

@@ -379,10 +379,11 @@ def make_tensors(
     import torch
 
     from .. import _torch_private
+    from .._unfilled import empty_maker, unfilled_strided
 
     dtypes = [torch_dtypes()[name] for name in manifest.dtypes]
     sizes = [d.itemsize for d in dtypes]
-    news = [torch.empty(0, dtype=d).new for d in dtypes]
+    news = [empty_maker(d) for d in dtypes]
     if storage is None and len(manifest.blocks):
         raise ConfigTypeError("make_tensors needs the storage the manifest's blocks lie in")
     block_storages = [
@@ -394,7 +395,7 @@ def make_tensors(
     with torch.no_grad():
         for shape, stride, code, block, offset in zip(*manifest.view_args, strict=True):
             if block < 0:
-                append(torch.empty_strided(shape, stride, dtype=dtypes[code]))
+                append(unfilled_strided(shape, stride, dtypes[code]))
             else:
                 append(
                     news[code]().set_(block_storages[block], offset // sizes[code], shape, stride)

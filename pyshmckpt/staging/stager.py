@@ -20,6 +20,7 @@ import torch
 
 from .. import _torch_private, knobs
 from .._gc import gc_paused
+from .._unfilled import unfilled
 from ..errors import (
     CapacityError,
     ConfigError,
@@ -603,7 +604,7 @@ class SlotStager:
                     device = source.get_device()
                     stream = self._wait_producers(device, producers)
                     with torch.cuda.stream(stream):
-                        dense = torch.empty(source.shape, dtype=source.dtype, device=source.device)
+                        dense = unfilled(source.shape, source.dtype, source.device)
                         dense.copy_(source)
                     copies.keepalive.append(dense)
                     row = np.array([[dense.data_ptr(), offset, dense.nbytes]], dtype=np.uint64)

@@ -17,6 +17,7 @@ from typing import IO, Any, NamedTuple
 import torch
 
 from .._gc import gc_paused
+from .._unfilled import unfilled
 from ..errors import CheckpointCorruptError, from_os_error
 from ..shm.native import copy_threads, crc32c
 from ..staging.manifest import ARRAY, ARRAY_DTYPES, DTYPES, PARAMETER, REQUIRES_GRAD
@@ -134,7 +135,7 @@ def tensors_of(
             )
         if entry_name is None:
             if any(d == 0 for d in shape):
-                out.append(_flagged(torch.empty(shape, dtype=dtype), flags))
+                out.append(_flagged(unfilled(shape, dtype), flags))
                 continue
             raise CheckpointCorruptError(
                 str(st_path), "tensor with elements but no data", tensor=name
@@ -164,7 +165,7 @@ def tensors_of(
             base = (
                 raw[: count * dtype.itemsize].view(dtype)
                 if raw is not None and count
-                else torch.empty(0, dtype=dtype)
+                else unfilled((0,), dtype)
             )
             bases[(entry_name, dtype)] = base
         with torch.no_grad():

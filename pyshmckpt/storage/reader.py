@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .._gc import gc_paused
+from .._unfilled import unfilled
 from ..errors import (
     CheckpointCorruptError,
     ConfigError,
@@ -601,7 +602,7 @@ def _move(state: Any, device: torch.device) -> Any:
         if moved is None:
             raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
             moved = storages[key] = raw.to(device).untyped_storage()
-        out = torch.empty(0, dtype=t.dtype, device=device)
+        out = unfilled((0,), t.dtype, device)
         with torch.no_grad():
             out.set_(moved, t.storage_offset(), t.shape, t.stride())
         if isinstance(t, torch.nn.Parameter):
