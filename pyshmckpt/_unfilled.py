@@ -22,7 +22,7 @@ _NO_FILL = frozenset(
         "float4_e2m1fn_x2",
         *(f"uint{n}" for n in range(1, 8)),
         *(f"int{n}" for n in range(1, 8)),
-    )  # fmt: skip
+    )
     if isinstance(getattr(torch, name, None), torch.dtype)
 )
 
