@@ -99,7 +99,8 @@ def loader(source: str, root: str) -> None:
     from load_speed import nbytes_of, tensors_of
 
     import pyshmckpt
-    from pyshmckpt.storage import memory_tier, reader, restore  # noqa: F401
+    from pyshmckpt.storage import reader  # noqa: F401
+    from pyshmckpt.tiers import loading, records, restore  # noqa: F401
 
     if source == "disk-cold":
         os.sync()
@@ -142,22 +143,22 @@ def can_drop_caches() -> bool:
 
 def free_holds(prefix: str) -> None:
     """Free every checkpoint this benchmark holds in memory (its writers then exit)."""
-    from pyshmckpt.storage import memory_tier
+    from pyshmckpt.tiers import records
 
-    for path, record in memory_tier.holds(prefix):
-        memory_tier.release(path, record)
+    for path, record in records.holds(prefix):
+        records.release(path, record)
 
 
 def measure(
     kind: str, nbytes: int, args: argparse.Namespace, env: dict[str, str], directory: Path
 ) -> dict[str, Any]:
-    from pyshmckpt.storage import memory_tier
+    from pyshmckpt.tiers import records
 
     root = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=directory))
     try:
         built = child(env, "--trainer", kind, str(nbytes), str(args.tensors), str(root))
         deadline = time.monotonic() + 60
-        while memory_tier.find(root, 0) is None:  # the writer publishes it once it notices
+        while records.find(root, 0) is None:  # the writer publishes it once it notices
             if time.monotonic() > deadline:
                 raise SystemExit(f"no checkpoint held in memory for {root}")
             time.sleep(0.05)

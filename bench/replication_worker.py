@@ -54,7 +54,8 @@ import torch.distributed as dist
 import pyshmckpt
 from pyshmckpt.cli.demo import gpt
 from pyshmckpt.errors import ReplicationWarning
-from pyshmckpt.storage import peer_restore, peer_wire, reader, replicas, restore  # noqa: F401
+from pyshmckpt.storage import reader  # noqa: F401
+from pyshmckpt.tiers import loading, peer_restore, replicas, restore, wire  # noqa: F401
 
 # Imported above, not by the first timed load: pyshmckpt.load imports its modules lazily.
 
@@ -97,7 +98,7 @@ class RawLink:
     """Plain TCP between the ranks: each listens on its node's address (the one replicas use)."""
 
     def __init__(self, prefix: str, rank: int) -> None:
-        self.listener = socket.create_server((peer_wire.node_address(), 0))
+        self.listener = socket.create_server((wire.node_address(), 0))
         self.listener.settimeout(TIMEOUT)
         self.addresses = gather(self.listener.getsockname()[:2])
         self.source = Path("/dev/shm") / f"{prefix}-rawtcp-{rank}"
@@ -307,7 +308,7 @@ def restore_again(params: dict[str, Any], out: Path, node: int, group: Any) -> N
     root = os.path.realpath(params["root"])
     expected = params["bytes"] // 4 // params["tensors"] * 4 * params["tensors"]
     messages = Messages()
-    restore_log = logging.getLogger("pyshmckpt.storage.restore")
+    restore_log = logging.getLogger("pyshmckpt.tiers.restore")
     restore_log.addHandler(messages)
     restore_log.setLevel(logging.INFO)
     rows = []

@@ -1,8 +1,9 @@
 """pyshmckpt: async checkpointing of PyTorch training state through pinned shared memory.
 
 The package reads as layers, each importing only from those before it: `shm` (segments, arena,
-slots), `staging` (layout plan, manifest, `ShmStager`), `storage` (files, commit, `load`),
-`transport` (writer process, `CheckpointProcess`), then `checkpointer` (`Checkpointer`),
+slots), `staging` (layout plan, manifest, `ShmStager`), `storage` (files, commit, reading them),
+`tiers` (memory, replicas on other nodes, and which tier a restore reads: `load`), `transport`
+(writer process, `CheckpointProcess`), then `checkpointer` (`Checkpointer`),
 `integrations` (framework adapters) and `cli` (the ``pyshmckpt`` command). See
 docs/ARCHITECTURE.md.
 """
@@ -77,7 +78,8 @@ if TYPE_CHECKING:
         cuda_info,
     )
     from .staging import Manifest, ShmStager, StagedHandle, TensorEntry
-    from .storage import load, verify
+    from .storage import verify
+    from .tiers import load
     from .transport import CheckpointProcess, CheckpointProcessConfig
 
 # Imported on first use (see _lazy): ``import pyshmckpt.x`` in the writer process loads neither
@@ -98,7 +100,7 @@ __getattr__, __dir__ = exports(
         "ShmStager": "staging",
         "StagedHandle": "staging",
         "TensorEntry": "staging",
-        "load": "storage",
+        "load": "tiers",
         "verify": "storage",
         "CheckpointProcess": "transport",
         "CheckpointProcessConfig": "transport",

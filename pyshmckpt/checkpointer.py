@@ -40,27 +40,11 @@ from .errors import (
 from .shm.native import Segment
 from .shm.stale import SHM_DIR, parent_pid, process_start_ticks, set_owner
 from .staging import SlotStager
-from .storage import (
-    commit,
-    liveness,
-    memory_tier,
-    peer_wire,
-    reader,
-    shared_commit,
-    tree_codec,
-    writer_spec,
-)
-from .storage.memory_tier import HoldInfo
-from .transport import (
-    CheckpointProcess,
-    CheckpointProcessConfig,
-    RankInfo,
-    holding,
-    no_init,
-    replication,
-    topology,
-)
-from .transport.replication import ReplicaConfig
+from .storage import commit, liveness, shared_commit, tree_codec, writer_spec
+from .tiers import holding, loading, records, replication, topology, wire
+from .tiers.records import HoldInfo
+from .tiers.replication import ReplicaConfig
+from .transport import CheckpointProcess, CheckpointProcessConfig, RankInfo, no_init
 
 logger = logging.getLogger(__name__)
 
@@ -382,7 +366,7 @@ class Checkpointer:
                 "replicate=True copies checkpoints to another node: it needs torch.distributed "
                 "initialized with several ranks"
             )
-        address = peer_wire.node_address()
+        address = wire.node_address()
         try:
             self._replica_port = topology.reserve_port(address)
         except OSError as exc:
@@ -422,7 +406,7 @@ class Checkpointer:
     def _claim_held(self, capacity_bytes: int | None) -> tuple[dict[str, Any], Segment] | None:
         """Take the checkpoint held in memory for this root and rank away from the writer that
         holds it, if its segment can serve as a slot: (record, attached segment), or None."""
-        record = memory_tier.find(self.root, self.rank)
+        record = records.find(self.root, self.rank)
         if record is None:
             return None
         try:
@@ -431,7 +415,7 @@ class Checkpointer:
             return None
         if capacity_bytes is not None and size < capacity_bytes:
             return None  # too small a slot: left to its holder (still loadable, until it ends)
-        record = memory_tier.claim(self.root, self.rank)
+        record = records.claim(self.root, self.rank)
         if record is None:
             return None
         segment_info = record["segment"]
@@ -457,7 +441,7 @@ class Checkpointer:
             segment.close()
             raise
         self._taken = record
-        memory_tier.keep_taken(record)
+        records.keep_taken(record)
         info = self._hold_info(str(record.get("name", "")), int(record.get("staged_ns", 0)), False)
         others = [other.name for other in slot.arena.slots if other is not slot]
         self._process.call(holding.adopt, record=record, info=info, segments=others)
@@ -570,7 +554,7 @@ class Checkpointer:
         del staged  # its slot frees itself once written and unreferenced
         if handle is not None:  # the newest checkpoint: its slot is kept until the next save's
             if self._taken is not None:
-                memory_tier.forget(self._taken)
+                records.forget(self._taken)
                 self._taken = None
             self._stager.hold(handle.slot)
         result: Future[Path] = Future()
@@ -702,7 +686,7 @@ class Checkpointer:
         import torch.distributed as dist
 
         distributed = dist.is_available() and dist.is_initialized()
-        return reader.load(
+        return loading.load(
             self.root, rank=None if distributed else self.rank, into=into,
             map_location=map_location, allow_pickle=self._allow_pickle, source=source,
             process_group=process_group,
@@ -756,7 +740,7 @@ class Checkpointer:
             return
         self._closed = True
         if self._taken is not None:
-            memory_tier.forget(self._taken)
+            records.forget(self._taken)
         self._finalizer.detach()
         try:
             self._process.close(abort=abort)

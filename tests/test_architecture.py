@@ -37,6 +37,7 @@ LAYERS = [
     ("shm", {"pyshmckpt.shm"}),
     ("staging", {"pyshmckpt.staging"}),
     ("storage", {"pyshmckpt.storage"}),
+    ("tiers", {"pyshmckpt.tiers"}),
     ("transport", {"pyshmckpt.transport"}),
     ("checkpointer", {"pyshmckpt.checkpointer"}),
     ("integrations", {"pyshmckpt.integrations"}),
@@ -126,7 +127,7 @@ def test_layers_are_the_package_folders():
     folders = sorted(
         p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()
     )
-    assert folders == ["cli", "integrations", "shm", "staging", "storage", "transport"]
+    assert folders == ["cli", "integrations", "shm", "staging", "storage", "tiers", "transport"]
 
 
 def test_every_import_points_down():

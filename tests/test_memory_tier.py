@@ -37,7 +37,7 @@ import torch
 
 import pyshmckpt
 from pyshmckpt.cli import main as cli_main
-from pyshmckpt.storage import memory_tier
+from pyshmckpt.tiers import records
 
 from helpers import SHM, assert_same_tree, child_env, opened, pid_running, visible, wait_until
 
@@ -152,7 +152,7 @@ OTHER_USER = textwrap.dedent(
     os.setuid(65534)
 
     import pyshmckpt
-    from pyshmckpt.storage import memory_tier
+    from pyshmckpt.tiers import records
 
     root, record, prefix = sys.argv[1:4]
     deadline = time.monotonic() + 300
@@ -168,9 +168,9 @@ OTHER_USER = textwrap.dedent(
                     out["opened"][name] = f"read {len(f.read())} bytes"
             except OSError as exc:
                 out["opened"][name] = type(exc).__name__
-    out["record_path"] = str(memory_tier.record_path(root, 0))
-    out["found"] = memory_tier.find(root, 0) is not None
-    out["holds"] = len(memory_tier.holds())
+    out["record_path"] = str(records.record_path(root, 0))
+    out["found"] = records.find(root, 0) is not None
+    out["holds"] = len(records.holds())
     try:
         state = pyshmckpt.load(root, source="memory")
         out["load"] = f"loaded step {state.get('step')}"
@@ -396,7 +396,7 @@ class Background:
                 shared.prefix,
                 env | {PREFIX_VARIABLE: shared.prefix, "HOME": str(directory)},
             )
-            record = memory_tier.record_path(roots["root"], 0, prefix=prefix)
+            record = records.record_path(roots["root"], 0, prefix=prefix)
             args = [
                 python,
                 str(script(directory, "other_user.py", OTHER_USER)),
@@ -496,7 +496,7 @@ small_shm_job = job_fixture("small-shm")
 
 def record_of(root: Path) -> dict[str, Any]:
     """The hold record of `root` (rank 0), read as a file (the prefix from the environment)."""
-    return json.loads(memory_tier.record_path(root, 0).read_bytes())
+    return json.loads(records.record_path(root, 0).read_bytes())
 
 
 def ours(prefix: str) -> set[str]:
@@ -508,10 +508,10 @@ def end_holds(prefix: str, pids: tuple[int, ...] = ()) -> None:
     """Free every hold under `prefix` and end its holders and the writers `pids` (SIGKILL after a
     grace period): the cleanup of a test that may have failed half-way."""
     pids = list(pids)
-    for path, record in memory_tier.holds(prefix):
-        if memory_tier.holder_alive(record):
+    for path, record in records.holds(prefix):
+        if records.holder_alive(record):
             pids.append(int(record["holder"][0]))
-        memory_tier.release(path, record)
+        records.release(path, record)
     with contextlib.suppress(AssertionError):
         wait_until(lambda: not any(pid_running(pid) for pid in pids), 3, "the writers to exit")
     for pid in pids:
@@ -595,7 +595,7 @@ def test_a_new_trainer_takes_the_held_checkpoint_over_as_its_first_slot(shared_j
     shared_job.died()
     monkeypatch.setenv(PREFIX_VARIABLE, shared_job.prefix)
     root = shared_job.roots["takeover"]
-    record_path = memory_tier.record_path(root, 0)
+    record_path = records.record_path(root, 0)
     record = record_of(root)
     segment = SHM / record["segment"]["name"]
     inode = segment.stat().st_ino
@@ -638,7 +638,7 @@ def test_gc_frees_a_held_checkpoint(gc_job, monkeypatch):
         record = record_of(root)
         assert record["holder"][0] == writers[0]
         assert ours(job.prefix) == {
-            memory_tier.record_path(root, 0).name,
+            records.record_path(root, 0).name,
             record["segment"]["name"],
         }
 
@@ -671,7 +671,7 @@ def test_the_hold_ends_with_the_launcher_not_with_signals_to_the_trainers_group(
         os.killpg(trainer, signal.SIGTERM)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(trainer, signal.SIGKILL)
-        record_path = memory_tier.record_path(root, 0)
+        record_path = records.record_path(root, 0)
         wait_until(record_path.exists, EXIT_TIMEOUT, "the writer to hold the checkpoint")
         record = record_of(root)
         writer = record["holder"][0]
@@ -726,7 +726,7 @@ def test_another_user_cannot_read_a_held_checkpoint(shared_job, other_user_job, 
     shared_job.died()
     monkeypatch.setenv(PREFIX_VARIABLE, shared_job.prefix)
     root = child.roots["root"]
-    record_path = memory_tier.record_path(root, 0)
+    record_path = records.record_path(root, 0)
     segment = SHM / record_of(root)["segment"]["name"]
     for path in (record_path, segment):
         st = path.stat()
@@ -766,7 +766,7 @@ def test_a_save_that_does_not_fit_beside_a_held_checkpoint_fails_cleanly(small_s
     first, newcomer, second = out["first"], out["newcomer"], out["second"]
     root = job.roots["root"]
     segment = first["segment"]["name"]
-    record = memory_tier.record_path(root, 0, prefix=job.prefix).name
+    record = records.record_path(root, 0, prefix=job.prefix).name
     assert first["name"] == "step-2"
     assert out["files_held"] == sorted([segment, record])
     assert newcomer["first_slot"] == segment  # taken over
@@ -800,6 +800,6 @@ def test_a_trainer_that_took_a_hold_over_and_died_before_saving_leaves_no_slot_b
     out = json.loads(done.stdout.splitlines()[-1])
     if "skip" in out:
         pytest.skip(f"cannot mount a tmpfs over /dev/shm: {out['skip']}")
-    record = memory_tier.record_path(job.roots["root"], 0, prefix=job.prefix).name
+    record = records.record_path(job.roots["root"], 0, prefix=job.prefix).name
     assert out["files_held_again"] == sorted([out["second"]["segment"]["name"], record])
     assert out["files_after_sigterm"] == []

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pyshmckpt
-from pyshmckpt.storage import memory_tier
+from pyshmckpt.tiers import records
 
 from helpers import child_env
 
@@ -51,6 +51,6 @@ def test_cuda_state_restored_from_memory_into_cuda_tensors(tmp_path):
         assert target["step"] == 5
         assert not (tmp_path / "root" / "step-00000001").exists()
     finally:
-        record = memory_tier.find(tmp_path / "root", 0)
+        record = records.find(tmp_path / "root", 0)
         if record is not None:
-            memory_tier.release(memory_tier.record_path(tmp_path / "root", 0), record)
+            records.release(records.record_path(tmp_path / "root", 0), record)

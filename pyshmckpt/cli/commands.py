@@ -13,12 +13,12 @@ from ..shm import stale
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from ..storage import memory_tier
+    from ..tiers import records
 
-    held = memory_tier.holds(args.prefix)
+    held = records.holds(args.prefix)
     for path, record in held:
         if not args.dry_run:
-            memory_tier.release(path, record)
+            records.release(path, record)
         print(
             f"{'would free' if args.dry_run else 'freed':12s} "
             f"{'replica' if record.get('replica') else 'checkpoint'} {record.get('name')} "
@@ -68,15 +68,16 @@ def _print_tiers(root: str) -> bool:
     import os
     from pathlib import Path
 
-    from ..storage import commit, memory_tier
+    from ..storage import commit
+    from ..tiers import records
 
     on_disk = [name for _, name in commit.committed(Path(root))] if Path(root).is_dir() else []
     real = os.path.realpath(root)
-    in_memory = [r for _, r in memory_tier.holds() if r.get("root") == real]
+    in_memory = [r for _, r in records.holds() if r.get("root") == real]
     for name in on_disk:
         print(f"on disk    {name}")
     for record in sorted(in_memory, key=lambda r: (r.get("rank", 0), r.get("name", ""))):
-        alive = "alive" if memory_tier.holder_alive(record) else "gone"
+        alive = "alive" if records.holder_alive(record) else "gone"
         where = "replica   " if record.get("replica") else "in memory "
         print(
             f"{where} {record.get('name')}  rank {record.get('rank')}  "
@@ -94,7 +95,7 @@ def _print_tiers(root: str) -> bool:
 def _inspect(args: argparse.Namespace) -> int:
     from ..storage.inspection import describe
     from ..storage.rank_files import ranks
-    from ..storage.restore import is_root
+    from ..tiers.restore import is_root
 
     if is_root(args.path) and not _print_tiers(args.path):
         return 0  # nothing on disk to describe

@@ -57,9 +57,10 @@ from ..errors import (
     as_writer_error,
     os_error,
 )
-from ..storage import commit, load
+from ..storage import commit
 from ..storage.rank_files import ranks
 from ..storage.safetensors_writer import file_names
+from ..tiers import load
 from ..transport import CheckpointProcessConfig
 
 logger = logging.getLogger(__name__)

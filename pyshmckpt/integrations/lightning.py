@@ -39,7 +39,8 @@ from ..errors import (
     as_writer_error,
     from_os_error,
 )
-from ..storage import commit, load, writer_spec
+from ..storage import commit, writer_spec
+from ..tiers import load
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,8 @@ safetensors writer persists straight from the slot (`safetensors_writer`, with t
 `torch_writers` (with `TorchFileWriter`, which writes one file at the exact path a framework
 chose: not a Checkpointer writer, so not in the registry). `commit` makes a checkpoint directory
 visible only once it is durable (`shared_commit` for several ranks); `reader` loads, `inspection`
-verifies and describes, both over `rank_files`.
+verifies and describes, both over `rank_files` (``pyshmckpt.load``, which also restores a root
+from memory, lives in the tiers layer above).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from .._lazy import exports
 
 if TYPE_CHECKING:
     from .inspection import verify
-    from .reader import load
     from .safetensors_writer import SafetensorsWriter
     from .torch_writers import DcpWriter, TorchFileWriter, TorchSaveWriter
     from .writers import (
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 __getattr__, __dir__ = exports(
     __name__,
     {
-        "load": "reader",
         "verify": "inspection",
         "SafetensorsWriter": "safetensors_writer",
         "DcpWriter": "torch_writers",
@@ -59,7 +58,6 @@ __all__ = [
     "TorchFileWriter",
     "TorchSaveWriter",
     "WriterSpec",
-    "load",
     "register_writer",
     "verify",
     "writer_kind",

@@ -37,11 +37,12 @@ from typing import Any
 from ..errors import ProtocolError, PyshmckptError, PyshmckptOSError
 from ..shm import AttachedSegments
 from ..staging import SlotViews
-from ..storage import SlotWriter, memory_tier, progress, writer_kind
-from ..storage.memory_tier import HoldInfo
-from . import holding, logs, replication
+from ..storage import SlotWriter, progress, writer_kind
+from ..tiers import holding, records, replication
+from ..tiers.records import HoldInfo
+from ..tiers.replication import ReplicaConfig
+from . import logs
 from .channel import Kind, ManifestRef, Request, Response, send
-from .replication import ReplicaConfig
 from .spool import SpoolReader
 
 logger = logging.getLogger(__name__)
@@ -516,7 +517,7 @@ def _replicate(
     if config.buddy is None:
         return None
     slot = attached.slot(address, manifest.size)
-    record = memory_tier.describe(manifest, slot, hold, (address.name, address.size, address.token))
+    record = records.describe(manifest, slot, hold, (address.name, address.size, address.token))
     return replication.Replication(config, record)
 
 

@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 import pyshmckpt
-from pyshmckpt.storage import commit, memory_tier
+from pyshmckpt.storage import commit
+from pyshmckpt.tiers import records
 
 DISK_STEP = 2
 MEMORY_STEP = 4
@@ -109,7 +110,7 @@ def main() -> None:
     # Resume when an earlier attempt left a root; every rank looks before any rank creates it.
     resume = torch.tensor([int(root.is_dir())])
     dist.all_reduce(resume, op=dist.ReduceOp.MAX)
-    record = memory_tier.find(root, rank)
+    record = records.find(root, rank)
     held = record is not None
     if attempt == 2 and rank == 1 and record is not None:
         segment = Path("/dev/shm") / record["segment"]["name"]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from pyshmckpt.storage import memory_tier
+from pyshmckpt.tiers import records
 
 from helpers import SHM, child_env, free_port, pid_running
 
@@ -213,10 +213,10 @@ def end_holds(prefix: str) -> None:
     """Free every hold under `prefix`, end its holders (SIGKILL after a grace period) and wait
     until nothing of `prefix` is left in /dev/shm."""
     pids = []
-    for path, record in memory_tier.holds(prefix):
-        if memory_tier.holder_alive(record):
+    for path, record in records.holds(prefix):
+        if records.holder_alive(record):
             pids.append(int(record["holder"][0]))
-        memory_tier.release(path, record)
+        records.release(path, record)
     deadline = time.monotonic() + EXIT_TIMEOUT
     while any(pid_running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -240,11 +240,11 @@ def test_a_held_checkpoint_loads_into_dtensors_sharded_as_saved(tmp_path: Path) 
     try:
         codes = launch(script, "save", root, out, env)
         assert codes == [-signal.SIGKILL] * 2, f"save: exit codes {codes}\n{logs(out, 'save')}"
-        records = [memory_tier.record_path(root, r, prefix=prefix) for r in (0, 1)]
+        paths = [records.record_path(root, r, prefix=prefix) for r in (0, 1)]
         deadline = time.monotonic() + HOLD_WAIT
-        while not all(p.exists() for p in records) and time.monotonic() < deadline:
+        while not all(p.exists() for p in paths) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert all(p.exists() for p in records), f"no hold records: {ours(prefix)}"
+        assert all(p.exists() for p in paths), f"no hold records: {ours(prefix)}"
         assert not (root / "step1").exists()  # in memory only
 
         codes = launch(script, "load", root, out, env)

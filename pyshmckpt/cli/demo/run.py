@@ -51,7 +51,8 @@ import torch
 from ... import _torch_private
 from ...shm import cuda_available
 from ...staging import ShmStager
-from ...storage import SafetensorsWriter, commit, load
+from ...storage import SafetensorsWriter, commit
+from ...tiers import load
 from ...transport import CheckpointProcess, CheckpointProcessConfig
 from . import gpt
 from .checks import compare, same_bits, snapshot, state_nbytes

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from pyshmckpt import CheckpointCorruptError, ReplicationError
-from pyshmckpt.storage import memory_tier, peer_wire, replicas
-from pyshmckpt.storage.memory_tier import HoldInfo
-from pyshmckpt.transport.topology import Peer, buddy, nodes
+from pyshmckpt.tiers import records, replicas, wire
+from pyshmckpt.tiers.records import HoldInfo
+from pyshmckpt.tiers.topology import Peer, buddy, nodes
 
 from helpers import SHM
 
@@ -37,7 +37,7 @@ def serve_once(server: socket.socket, secret: str, then: Any = None) -> dict[str
     def run() -> None:
         conn, _ = server.accept()
         with conn:
-            seen["authenticated"] = peer_wire.accept(conn, secret, TIMEOUT)
+            seen["authenticated"] = wire.accept(conn, secret, TIMEOUT)
             if seen["authenticated"] and then is not None:
                 then(conn, seen)
 
@@ -48,30 +48,28 @@ def serve_once(server: socket.socket, secret: str, then: Any = None) -> dict[str
 
 
 def test_both_sides_must_know_the_secret():
-    secret = peer_wire.new_secret()
+    secret = wire.new_secret()
     with listener() as server:
-        seen = serve_once(
-            server, secret, lambda conn, s: s.update(got=peer_wire.recv_message(conn))
-        )
-        with peer_wire.connect(server.getsockname(), secret, peer_wire.Deadline(TIMEOUT)) as sock:
-            peer_wire.send_message(sock, {"hello": 1})
+        seen = serve_once(server, secret, lambda conn, s: s.update(got=wire.recv_message(conn)))
+        with wire.connect(server.getsockname(), secret, wire.Deadline(TIMEOUT)) as sock:
+            wire.send_message(sock, {"hello": 1})
         seen["thread"].join(TIMEOUT)
     assert seen["authenticated"]
     assert seen["got"] == {"hello": 1}
 
 
 def test_a_peer_without_the_secret_gets_nothing():
-    secret = peer_wire.new_secret()
+    secret = wire.new_secret()
     with listener() as server:
-        seen = serve_once(server, secret, lambda conn, s: peer_wire.send_message(conn, {"x": 1}))
+        seen = serve_once(server, secret, lambda conn, s: wire.send_message(conn, {"x": 1}))
         with pytest.raises(ReplicationError, match="authenticate|closed|answer"):
-            peer_wire.connect(server.getsockname(), peer_wire.new_secret(), peer_wire.Deadline(10))
+            wire.connect(server.getsockname(), wire.new_secret(), wire.Deadline(10))
         seen["thread"].join(TIMEOUT)
     assert seen["authenticated"] is False
 
     # A raw client that sends anything at all receives the magic and a nonce, then EOF.
     with listener() as server:
-        seen = serve_once(server, secret, lambda conn, s: peer_wire.send_message(conn, {"x": 1}))
+        seen = serve_once(server, secret, lambda conn, s: wire.send_message(conn, {"x": 1}))
         with socket.create_connection(server.getsockname(), timeout=TIMEOUT) as raw:
             raw.sendall(b"\0" * 48)
             received = b""
@@ -79,15 +77,15 @@ def test_a_peer_without_the_secret_gets_nothing():
                 received += chunk
         seen["thread"].join(TIMEOUT)
     assert seen["authenticated"] is False
-    assert received.startswith(peer_wire.MAGIC)
-    assert len(received) == len(peer_wire.MAGIC) + 16
+    assert received.startswith(wire.MAGIC)
+    assert len(received) == len(wire.MAGIC) + 16
 
 
 def test_a_server_that_does_not_know_the_secret_is_refused():
     with listener() as server:
-        seen = serve_once(server, peer_wire.new_secret())
+        seen = serve_once(server, wire.new_secret())
         with pytest.raises(ReplicationError):
-            peer_wire.connect(server.getsockname(), peer_wire.new_secret(), peer_wire.Deadline(10))
+            wire.connect(server.getsockname(), wire.new_secret(), wire.Deadline(10))
         seen["thread"].join(TIMEOUT)
 
 
@@ -95,7 +93,7 @@ def test_an_unreachable_peer_fails_within_the_deadline():
     with listener() as taken:
         address = taken.getsockname()
     with pytest.raises(ReplicationError, match="cannot reach"):
-        peer_wire.connect(address, peer_wire.new_secret(), peer_wire.Deadline(1.0))
+        wire.connect(address, wire.new_secret(), wire.Deadline(1.0))
 
 
 def held_checkpoint(values: np.ndarray) -> tuple[dict[str, Any], Any, Any, Any]:
@@ -114,7 +112,7 @@ def held_checkpoint(values: np.ndarray) -> tuple[dict[str, Any], Any, Any, Any]:
     info = HoldInfo("/r", 2, 4, "s3", 7, False, 60.0, None, False)
     address = handle.address
     segment = (address.name, address.size, address.token)
-    record = memory_tier.describe(handle.manifest, mapping, info, segment)
+    record = records.describe(handle.manifest, mapping, info, segment)
     return record, stager, staged, attached
 
 
@@ -123,7 +121,7 @@ def test_a_replica_lands_in_a_segment_checked_entry_by_entry(flip):
     pytest.importorskip("torch")
     values = np.arange(1 << 16, dtype=np.float32)
     record, stager, staged, attached = held_checkpoint(values)
-    secret = peer_wire.new_secret()
+    secret = wire.new_secret()
     try:
         name = record["segment"]["name"]
         if flip:  # the sender's bytes differ from what its record says
@@ -135,14 +133,14 @@ def test_a_replica_lands_in_a_segment_checked_entry_by_entry(flip):
 
         def receive(conn: socket.socket, seen: dict[str, Any]) -> None:
             try:
-                seen["received"] = replicas.receive(conn, peer_wire.Deadline(TIMEOUT))
+                seen["received"] = replicas.receive(conn, wire.Deadline(TIMEOUT))
             except CheckpointCorruptError as exc:
                 seen["error"] = exc
 
         with listener() as server:
             seen = serve_once(server, secret, receive)
-            deadline = peer_wire.Deadline(TIMEOUT)
-            with peer_wire.connect(server.getsockname(), secret, deadline) as sock:
+            deadline = wire.Deadline(TIMEOUT)
+            with wire.connect(server.getsockname(), secret, deadline) as sock:
                 replicas.send(sock, record, deadline)
             seen["thread"].join(TIMEOUT)
     finally:

@@ -5,7 +5,7 @@ Each save a `Checkpointer` hands over carries a `HoldInfo`; the writer remembers
 (`Holder.note`), or the one a new trainer took over (`Holder.adopt`). When the trainer dies, the
 writer finishes what it was handed (as always), then, instead of removing every segment, keeps
 the newest checkpoint's segment, records itself as its owner (so that stale-segment collection
-leaves it), publishes its hold record (`memory_tier.publish`) and waits. The hold ends when:
+leaves it), publishes its hold record (`records.publish`) and waits. The hold ends when:
 
 - a new trainer claims the record (it renames it away): the segment is the new trainer's now;
 - the hold timeout passes, the launcher whose end ends the job (torchrun's elastic agent) is
@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..shm import AttachedSegments, SlotAddress
 from ..shm.stale import process_start_ticks, set_owner
-from ..storage import memory_tier
-from ..storage.memory_tier import HoldInfo
+from . import records
+from .records import HoldInfo
 
 if TYPE_CHECKING:
     from ..staging import Manifest
@@ -106,7 +106,7 @@ class Holder:
                 set_owner(name, os.getpid())
                 attached.note(self._others)
                 attached.unlink_all(keep={name})
-                held.append((memory_tier.publish(record, os.getpid(), agent, timeout), record))
+                held.append((records.publish(record, os.getpid(), agent, timeout), record))
                 logger.warning(
                     "holding checkpoint %s (rank %d of %s) in shared memory for a new trainer, "
                     "for up to %g s%s", info.name, info.rank, info.root, timeout,
@@ -116,13 +116,13 @@ class Holder:
                 attached.unlink_all()
             for path, replica in replicas or ():
                 if _identity(path) is not None:  # not freed by a newer replica already
-                    memory_tier.publish(replica, os.getpid(), agent, timeout, path)
+                    records.publish(replica, os.getpid(), agent, timeout, path)
                     held.append((path, replica))
         except Exception:
             logger.exception("cannot hold the newest checkpoint in memory: removing it")
             attached.unlink_all()
             for path, record in held + list(replicas or ()):
-                memory_tier.release(path, record)
+                records.release(path, record)
             return False
         if replicas:
             logger.warning("holding %d replica(s) of other nodes' ranks", len(replicas))
@@ -138,7 +138,7 @@ class Holder:
         address, manifest, info = newest
         slot = attached.slot(address, manifest.size)
         segment = (address.name, address.size, address.token)
-        return memory_tier.describe(manifest, slot, info, segment), info
+        return records.describe(manifest, slot, info, segment), info
 
     def _watch_terminate(self) -> None:
         """SIGTERM (a scheduler ending the job) ends the hold; only the main thread can set it."""
@@ -171,7 +171,7 @@ class Holder:
             if reason is not None:
                 logger.info("the hold ends: %s", reason)
                 for path, record, _ in waiting:
-                    memory_tier.release(path, record)
+                    records.release(path, record)
                 return
             self._terminated.wait(_POLL)
 

@@ -1,4 +1,4 @@
-"""The memory tier: a checkpoint held in shared memory after its trainer died, found by root and rank.
+"""Hold records: a checkpoint held in shared memory after its trainer died, found by root and rank.
 
 A writer process whose trainer died keeps the newest checkpoint's slot segment and publishes a
 *hold record*: a file ``/dev/shm/<prefix>-held-<key>`` (mode 0600, written under a temporary name
@@ -6,7 +6,8 @@ and renamed) whose key is a hash of the checkpoint root's real path and the rank
 what ``rankN.json`` would hold for that checkpoint on disk (its tensors, structure and the CRC32C
 of every entry, laid out as an exact image of the slot) plus the segment's name, size and token,
 the checkpoint's name and when it was staged, and who holds it. Reading it back is reading a
-checkpoint whose data file is the segment (`open_held`): the same checks and code as from disk.
+checkpoint whose data file is the segment (`held.open_held`): the same checks and code as from
+disk.
 
 A record changes hands by rename, which only one process can win: a new trainer claims it
 (`claim`), the holder releases it (`release`), `pyshmckpt gc` removes it. Only the user who owns
@@ -19,28 +20,22 @@ import base64
 import contextlib
 import dataclasses
 import hashlib
-import io
 import json
 import logging
-import mmap
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .. import knobs
 from .._gc import gc_paused
-from ..errors import CheckpointCorruptError, from_os_error
-from ..shm.stale import SHM_DIR, process_start_ticks, read_header
+from ..shm.stale import SHM_DIR, process_start_ticks
 from ..staging import Manifest
-from . import tree_codec
-from .safetensors_header import build_header, expected_crcs, parse_header
-from .safetensors_writer import FORMAT, FORMAT_VERSION, plan_file
-
-if TYPE_CHECKING:  # rank_files imports torch, which the writer process never loads
-    from .rank_files import OpenedRank
+from ..storage import tree_codec
+from ..storage.safetensors_header import build_header
+from ..storage.safetensors_writer import FORMAT, FORMAT_VERSION, plan_file
 
 logger = logging.getLogger(__name__)
 
@@ -254,78 +249,3 @@ def holder_alive(record: dict[str, Any]) -> bool:
         return False
     now = process_start_ticks(pid)
     return now is not None and (not ticks or now == ticks)
-
-
-@gc_paused()
-def open_held(record: dict[str, Any], source: str = "memory") -> OpenedRank:
-    """The held checkpoint of `record`, opened like a rank's files: the manifest is the record's,
-    the data file the segment (checked: this user's, 0600, the record's size and token).
-
-    Raises:
-        CheckpointCorruptError: the segment is gone, not as recorded, or the record is malformed.
-    """
-    try:
-        segment = record["segment"]
-        name, size, token = (
-            str(segment["name"]),
-            int(segment["size"]),
-            bytes.fromhex(segment["token"]),
-        )
-        offset, data_bytes = int(segment["offset"]), int(record["data_bytes"])
-        header_bytes = base64.b64decode(record["header"])
-        described = record["described"]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointCorruptError(source, f"malformed hold record: {exc}") from None
-    from .rank_files import OpenedRank
-
-    if "/" in name or not isinstance(described, dict):
-        raise CheckpointCorruptError(source, "malformed hold record")
-    path = SHM_DIR / name
-    try:
-        f = path.open("rb")
-    except FileNotFoundError:
-        raise CheckpointCorruptError(str(path), "the held segment is gone") from None
-    except OSError as exc:
-        raise from_os_error(exc, f"cannot open {path}") from exc
-    try:
-        st = os.fstat(f.fileno())
-        found = read_header(f.read(4096))
-        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise CheckpointCorruptError(str(path), "the held segment is not this user's alone")
-        if found is None or found.size != size or found.token != token:
-            raise CheckpointCorruptError(str(path), "the held segment is not the one recorded")
-        data_start = offset  # from the segment's start, past its header
-        if offset < found.header_size or data_start + data_bytes > st.st_size:
-            raise CheckpointCorruptError(str(path), "the held segment is shorter than recorded")
-        header = parse_header(source, io.BytesIO(header_bytes), len(header_bytes) + data_bytes)
-        header = dataclasses.replace(header, data_start=data_start)
-        mapped = mmap.mmap(f.fileno(), st.st_size, access=mmap.ACCESS_COPY)
-    except BaseException:
-        f.close()
-        raise
-    return OpenedRank(Path(source), path, described, header, mapped, f)
-
-
-def entry_rows(
-    record: dict[str, Any], source: str
-) -> tuple[list[str], list[tuple[int, int]], list[int]]:
-    """The entries of a held checkpoint: their names, (offset from the segment's start, length)
-    and recorded CRC32C (no torch needed: a writer process calls this).
-
-    Raises:
-        CheckpointCorruptError: the record is malformed or lacks a checksum.
-    """
-    try:
-        header_bytes = base64.b64decode(record["header"])
-        data_bytes, offset = int(record["data_bytes"]), int(record["segment"]["offset"])
-        recorded = record["described"].get("entries")
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CheckpointCorruptError(source, f"malformed hold record: {exc}") from None
-    header = parse_header(source, io.BytesIO(header_bytes), len(header_bytes) + data_bytes)
-    expected = expected_crcs(Path(source), header, recorded)
-    names = list(expected)
-    rows = [
-        (offset + header.entries[n].begin, header.entries[n].end - header.entries[n].begin)
-        for n in names
-    ]
-    return names, rows, [expected[n] for n in names]

@@ -1,7 +1,7 @@
 """Replicas: a rank's checkpoint held in the memory of another node, and moving one over the wire.
 
 A replica is held like a checkpoint of the memory tier (a segment, and a record in the format of
-`memory_tier` that describes it), under ``/dev/shm/<prefix>-replica-<key>-<pid>``: the key is the
+`records` that describes it), under ``/dev/shm/<prefix>-replica-<key>-<pid>``: the key is the
 hold key of (root, rank) of the rank whose state it is, the pid the process that holds it. Each
 holder writes only records named with its own pid, so a newer replica never races an older
 holder's release for one name; `find` takes the newest valid one.
@@ -28,7 +28,7 @@ from .. import knobs
 from ..errors import CheckpointCorruptError, ReplicationError
 from ..shm.native import Segment
 from ..shm.stale import SHM_DIR
-from . import memory_tier, peer_wire
+from . import held, records, wire
 
 logger = logging.getLogger(__name__)
 
@@ -36,18 +36,18 @@ logger = logging.getLogger(__name__)
 def replica_path(root: str | os.PathLike[str], rank: int, holder: int) -> Path:
     """Where process `holder` keeps its record of a replica of (root, rank)."""
     prefix = knobs.segment_prefix()
-    return SHM_DIR / f"{prefix}-replica-{memory_tier.hold_key(root, rank)}-{holder}"
+    return SHM_DIR / f"{prefix}-replica-{records.hold_key(root, rank)}-{holder}"
 
 
 def replicas_of(root: str | os.PathLike[str], rank: int) -> list[tuple[Path, dict[str, Any]]]:
     """This node's replicas of (root, rank), newest first."""
     prefix = knobs.segment_prefix()
-    pattern = f"{prefix}-replica-{memory_tier.hold_key(root, rank)}-*"
+    pattern = f"{prefix}-replica-{records.hold_key(root, rank)}-*"
     found = []
     with contextlib.suppress(FileNotFoundError):
         for path in SHM_DIR.glob(pattern):
             if path.name.rsplit("-", 1)[-1].isdigit():
-                record = memory_tier.read_record(path)
+                record = records.read_record(path)
                 if record is not None:
                     found.append((path, record))
     return sorted(found, key=lambda pr: int(pr[1].get("staged_ns", 0)), reverse=True)
@@ -62,7 +62,7 @@ def find(root: str | os.PathLike[str], rank: int) -> dict[str, Any] | None:
     return None
 
 
-def send(sock: socket.socket, record: dict[str, Any], deadline: peer_wire.Deadline) -> None:
+def send(sock: socket.socket, record: dict[str, Any], deadline: wire.Deadline) -> None:
     """Send a held checkpoint: its record, then its `data_bytes` bytes straight from the
     segment the record names, at the record's offset.
 
@@ -74,18 +74,16 @@ def send(sock: socket.socket, record: dict[str, Any], deadline: peer_wire.Deadli
     sent = {k: v for k, v in record.items() if k not in ("segment", "holder", "agent", "deadline")}
     fd = os.open(SHM_DIR / str(segment["name"]), os.O_RDONLY | os.O_CLOEXEC)
     try:
-        peer_wire.send_message(sock, {"kind": "replica", "record": sent})
-        peer_wire.send_file_range(
-            sock, fd, int(segment["offset"]), int(record["data_bytes"]), deadline
-        )
+        wire.send_message(sock, {"kind": "replica", "record": sent})
+        wire.send_file_range(sock, fd, int(segment["offset"]), int(record["data_bytes"]), deadline)
     finally:
         os.close(fd)
-    peer_wire.set_timeout(sock, deadline)  # for the answer that follows
+    wire.set_timeout(sock, deadline)  # for the answer that follows
 
 
 def receive(
     sock: socket.socket,
-    deadline: peer_wire.Deadline,
+    deadline: wire.Deadline,
     spare: Callable[[int], Segment | None] | None = None,
 ) -> tuple[dict[str, Any], Segment]:
     """Receive a checkpoint sent by `send` into a segment of this user's (0600) and check the
@@ -97,7 +95,7 @@ def receive(
         ReplicationError: the peer broke off, or sent something that is not a checkpoint.
         CheckpointCorruptError: an entry's bytes do not match its CRC32C (the segment is gone).
     """
-    message = peer_wire.recv_message(sock)
+    message = wire.recv_message(sock)
     record = message.get("record")
     if message.get("kind") != "replica" or not isinstance(record, dict):
         raise ReplicationError("the peer sent no checkpoint")
@@ -135,13 +133,13 @@ def _receive_checked(
     record: dict[str, Any],
     start: int,
     data_bytes: int,
-    deadline: peer_wire.Deadline,
+    deadline: wire.Deadline,
 ) -> None:
     """Receive the bytes into the segment while a thread checks each entry whose bytes are all
     in (the native checksums release the GIL): the check ends soon after the last byte."""
     source = f"replica of rank {record.get('rank')}"
     try:
-        names, rows, expected = memory_tier.entry_rows(record, source)
+        names, rows, expected = held.entry_rows(record, source)
     except CheckpointCorruptError as exc:
         raise ReplicationError(f"the peer sent a malformed checkpoint record: {exc}") from None
     order = sorted(range(len(rows)), key=lambda i: rows[i][0] + rows[i][1])
@@ -150,10 +148,10 @@ def _receive_checked(
     with ThreadPoolExecutor(1, thread_name_prefix="pyshmckpt-replica-crc") as pool:
         with memoryview(segment) as view:
             got = 0
-            peer_wire.set_timeout(sock, deadline)
+            wire.set_timeout(sock, deadline)
             while got < data_bytes:
                 piece = min(_PIECE, data_bytes - got)
-                peer_wire.recv_into(sock, view[start + got : start + got + piece])
+                wire.recv_into(sock, view[start + got : start + got + piece])
                 got += piece
                 ready = []
                 while done < len(order) and sum(rows[order[done]]) <= start + got:

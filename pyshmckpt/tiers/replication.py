@@ -6,7 +6,7 @@ so both ends live in the writer processes, which outlive their trainers, not in 
 process group (whose collectives die with any rank). A TCP connection between two writers needs
 nothing from torch.distributed once the addresses and the job's secret are known, and the bytes
 go from the slot's segment to the socket with ``sendfile`` and from the socket into a new
-segment with ``recv_into`` (`storage.peer_wire`, `storage.replicas`).
+segment with ``recv_into`` (`wire`, `replicas`).
 
 Each writer listens on its node's address, on a port its trainer reserved (and announced to the
 other ranks through the process group) so that a restarted writer listens on the same one. A
@@ -32,7 +32,7 @@ from typing import Any
 from ..errors import CheckpointCorruptError, PyshmckptError, ReplicationError
 from ..shm.native import Segment
 from ..shm.stale import SHM_DIR
-from ..storage import memory_tier, peer_wire, replicas
+from . import records, replicas, wire
 
 logger = logging.getLogger(__name__)
 
@@ -102,22 +102,22 @@ class ReplicaServer:
     def _receive(self, conn: socket.socket) -> None:
         try:
             with conn:
-                if not peer_wire.accept(conn, self.config.secret, _AUTH_TIMEOUT):
+                if not wire.accept(conn, self.config.secret, _AUTH_TIMEOUT):
                     logger.warning("a connection that did not authenticate was refused")
                     return
-                deadline = peer_wire.Deadline(self.config.timeout)
+                deadline = wire.Deadline(self.config.timeout)
                 try:
                     record, segment = replicas.receive(conn, deadline, self._spare)
                 except CheckpointCorruptError as exc:
                     logger.warning("rejected a replica that failed its checksums: %s", exc)
                     with contextlib.suppress(OSError, ReplicationError):
-                        peer_wire.send_message(conn, {"ok": False, "reason": str(exc)})
+                        wire.send_message(conn, {"ok": False, "reason": str(exc)})
                     return
                 segment.disown()  # the record names it now; `release` removes it
                 segment.close()
                 replaced = self._keep(record)
                 with contextlib.suppress(OSError):
-                    peer_wire.send_message(conn, {"ok": True})
+                    wire.send_message(conn, {"ok": True})
                 if replaced is not None:  # after the answer: the sender waits for nothing more
                     self._keep_spare(replaced)
         except (OSError, PyshmckptError) as exc:
@@ -133,12 +133,12 @@ class ReplicaServer:
         path = replicas.replica_path(key[0], key[1], os.getpid())
         with self._lock:
             old = self._kept.get(key)
-            memory_tier.publish(record, os.getpid(), None, None, path)
+            records.publish(record, os.getpid(), None, None, path)
             self._kept[key] = (path, record)
         # Older replicas of that rank held by other processes (a writer whose trainer died).
         for other, found in replicas.replicas_of(*key):
             if other != path:
-                memory_tier.release(other, found)
+                records.release(other, found)
         logger.debug("holding a replica of %s rank %d (%s)", key[0], key[1], record.get("name"))
         return old[1] if old is not None else None
 
@@ -191,7 +191,7 @@ class ReplicaServer:
     def release_all(self) -> None:
         """Free every replica kept here (the writer is closing)."""
         for path, record in self.stop(_CLOSE_WAIT):
-            memory_tier.release(path, record)
+            records.release(path, record)
         with self._lock:
             self._kept.clear()
 
@@ -242,11 +242,11 @@ def send(config: ReplicaConfig, record: dict[str, Any]) -> None:
     """
     if config.buddy is None:
         return
-    deadline = peer_wire.Deadline(config.timeout)
+    deadline = wire.Deadline(config.timeout)
     try:
-        with peer_wire.connect(config.buddy, config.secret, deadline) as sock:
+        with wire.connect(config.buddy, config.secret, deadline) as sock:
             replicas.send(sock, record, deadline)
-            reply = peer_wire.recv_message(sock)
+            reply = wire.recv_message(sock)
     except TimeoutError:
         raise ReplicationError(
             f"replication to rank {config.buddy_rank} took over {config.timeout:g} s"

@@ -22,7 +22,8 @@ from .. import knobs
 from ..errors import PyshmckptError, ReplicationError
 from ..shm.native import Segment
 from ..shm.stale import SHM_DIR
-from . import memory_tier, peer_wire, replicas
+from . import records, replicas, wire
+from .held import open_held
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +39,13 @@ class Offer(NamedTuple):
 
 def held_here(root: str | os.PathLike[str], rank: int) -> dict[str, Any] | None:
     """The newest checkpoint of (root, rank) held on this node, its own hold or a replica."""
-    found = [r for r in (memory_tier.find(root, rank), replicas.find(root, rank)) if r is not None]
+    found = [r for r in (records.find(root, rank), replicas.find(root, rank)) if r is not None]
     return max(found, key=lambda r: int(r.get("staged_ns", 0))) if found else None
 
 
 def offers(root: str | os.PathLike[str], world_size: int, rank: int) -> list[Offer]:
     """What this node holds for the other ranks of `root` (one listing of ``/dev/shm``)."""
-    keys = {memory_tier.hold_key(root, other): other for other in range(world_size)}
+    keys = {records.hold_key(root, other): other for other in range(world_size)}
     held, replica = f"{knobs.segment_prefix()}-held-", f"{knobs.segment_prefix()}-replica-"
     ranks = set()
     with contextlib.suppress(OSError):
@@ -95,7 +96,7 @@ class Server:
             self._thread.start()
 
     def _serve(self, secret: str, timeout: float) -> None:
-        deadline = peer_wire.Deadline(timeout)
+        deadline = wire.Deadline(timeout)
         while True:
             try:
                 self._sock.settimeout(deadline.left())
@@ -104,18 +105,18 @@ class Server:
                 return  # closed, or out of time
             with conn:
                 try:
-                    if not peer_wire.accept(conn, secret, min(10.0, deadline.left())):
+                    if not wire.accept(conn, secret, min(10.0, deadline.left())):
                         logger.warning("a connection that did not authenticate was refused")
                         continue
-                    rank = int(peer_wire.recv_message(conn).get("rank", -1))
+                    rank = int(wire.recv_message(conn).get("rank", -1))
                     record = held_here(self.root, rank)
                     with self._lock:
                         name = self._wanted.pop(rank, None)
                     if name is None or record is None or record.get("name") != name:
-                        peer_wire.send_message(conn, {"kind": "none"})
+                        wire.send_message(conn, {"kind": "none"})
                         continue
                     replicas.send(conn, record, deadline)
-                    peer_wire.recv_message(conn)  # the fetcher's answer: it holds the bytes
+                    wire.recv_message(conn)  # the fetcher's answer: it holds the bytes
                 except (OSError, PyshmckptError, ValueError, TypeError) as exc:
                     logger.warning("serving a checkpoint to another node failed: %s", exc)
 
@@ -139,12 +140,12 @@ def fetch(
             longer holds it.
         CheckpointCorruptError: an entry's bytes do not match.
     """
-    deadline = peer_wire.Deadline(timeout)
-    with peer_wire.connect(address, secret, deadline) as sock:
-        peer_wire.send_message(sock, {"kind": "fetch", "rank": rank})
+    deadline = wire.Deadline(timeout)
+    with wire.connect(address, secret, deadline) as sock:
+        wire.send_message(sock, {"kind": "fetch", "rank": rank})
         record, segment = replicas.receive(sock, deadline)
         with contextlib.suppress(OSError):
-            peer_wire.send_message(sock, {"ok": True})
+            wire.send_message(sock, {"ok": True})
     return record, segment
 
 
@@ -152,9 +153,7 @@ def open_fetched(record: dict[str, Any], segment: Segment) -> Any:
     """A fetched checkpoint opened like a held one; its segment's name is removed at once (the
     open mapping keeps the memory until the load is done)."""
     try:
-        opened = memory_tier.open_held(
-            record, source=f"memory of another node (rank {record.get('rank')})"
-        )
+        opened = open_held(record, source=f"memory of another node (rank {record.get('rank')})")
     finally:
         segment.unlink()
         segment.close()

@@ -1,7 +1,7 @@
 """Which node each rank runs on, and each rank's buddy: where its checkpoints are replicated.
 
 Learned once, when a replicating `Checkpointer` starts: every rank reserves a port on its node's
-address (`peer_wire.node_address`: the interface of the route to torchrun's rendezvous host, or
+address (`wire.node_address`: the interface of the route to torchrun's rendezvous host, or
 ``PYSHMCKPT_REPLICA_ADDRESS``) and the ranks exchange (rank, address, port) over the process
 group, with the job's secret drawn by its first rank. Ranks with the same address are one node;
 nodes are ordered by their lowest rank, ranks within a node by rank. The buddy of the j-th rank
@@ -21,7 +21,7 @@ import logging
 import socket
 from typing import Any
 
-from ..storage import peer_wire
+from . import wire
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +58,7 @@ def exchange(rank: int, me: Peer, group: Any) -> tuple[list[Peer], str]:
     import torch.distributed as dist
 
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(
-        gathered, (rank, me.address, me.port, peer_wire.new_secret()), group=group
-    )
+    dist.all_gather_object(gathered, (rank, me.address, me.port, wire.new_secret()), group=group)
     peers = sorted((Peer(int(r), str(a), int(p)) for r, a, p, _ in gathered), key=lambda p: p.rank)
     return peers, str(gathered[0][3])
 

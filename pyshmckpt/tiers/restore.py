@@ -35,9 +35,11 @@ from ..errors import (
     PyshmckptError,
     from_os_error,
 )
-from . import commit, memory_tier, peer_restore, peer_wire
-from .rank_files import OpenedRank, open_rank
-from .safetensors_writer import file_names
+from ..storage import commit
+from ..storage.rank_files import OpenedRank, open_rank
+from ..storage.safetensors_writer import file_names
+from . import peer_restore, wire
+from .held import open_held
 
 logger = logging.getLogger(__name__)
 
@@ -157,11 +159,11 @@ def _agree(
         if source != "disk":
             offers = peer_restore.offers(root, dist.get_world_size(), rank)
             try:
-                server = peer_restore.Server(root, peer_wire.node_address())
+                server = peer_restore.Server(root, wire.node_address())
             except OSError as exc:
                 logger.warning("cannot serve this node's memory copies to other nodes: %s", exc)
         mine = View(rank, options, status, offers, server.address if server else None)
-        gathered = _all_gather(group, (tuple(mine), peer_wire.new_secret()))
+        gathered = _all_gather(group, (tuple(mine), wire.new_secret()))
         views = [_view(v) for v, _ in gathered]
         secret = str(gathered[0][1])
         failed: set[tuple[int, int]] = set()  # (rank, serving rank) whose fetch failed
@@ -283,7 +285,7 @@ def _held(root: Path, rank: int) -> tuple[OpenedRank | None, dict[str, Any] | No
     if record is None:
         return None, None, "none held in memory"
     try:
-        opened = memory_tier.open_held(record)
+        opened = open_held(record)
     except CheckpointCorruptError as exc:
         return None, None, unusable(rank, f"its memory copy of {record.get('name')}: {exc}")
     return opened, record, f"holds {record.get('name')} in memory"

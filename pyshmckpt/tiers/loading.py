@@ -1,0 +1,215 @@
+"""`pyshmckpt.load`: a checkpoint directory, or a root's newest checkpoint from the nearest tier.
+
+A path that names one checkpoint (its directory or a file of it) is read from disk by `reader`. A
+checkpoint root is restored from wherever its newest checkpoint is (`restore` chooses: this
+node's memory, another node's, or disk) and, in a job of several ranks, agreed on by every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointCorruptError, ConfigError
+from ..storage import reader
+from ..storage.rank_files import OpenedRank, checkpoint_dir, open_rank
+from ..storage.safetensors_writer import file_names
+from . import restore
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    map_location: str | torch.device | None = "cpu",
+    verify: bool = True,
+    allow_pickle: bool = False,
+    rank: int | None = None,
+    into: Any = None,
+    mmap: bool | None = None,
+    cupy_as: str = "cupy",
+    source: str = "auto",
+    process_group: Any = None,
+) -> Any:
+    """Load a checkpoint written by pyshmckpt's safetensors writer.
+
+    Returns the nested state dict with container types and tied-storage aliases restored.
+    NumPy arrays that were saved come back as NumPy arrays (over the memory the tensors would
+    have, so arrays and tensors that shared memory still do), CuPy arrays as CuPy arrays on
+    the GPU (`map_location`'s device when it is a CUDA device, else CuPy's current one; those
+    that shared memory share it there too), or as NumPy arrays with ``cupy_as="numpy"``.
+    Nothing in the files is trusted: every CRC32C is checked (when `verify`), every tensor must
+    lie inside its file entry, and pickled values are only loaded with ``allow_pickle=True``.
+
+    By default (``mmap=None`` with a CPU `map_location`) each file entry is read once into memory
+    of its own (views of one storage still share it) by the native thread pool, each entry's
+    checksum computed from its bytes as they land. With ``mmap=True`` (the default for another
+    device, so that the host holds no second copy) CPU tensors are zero-copy copy-on-write maps
+    of the file: pages are read when used, and the file's disk space stays in use while they
+    live, also after the checkpoint is deleted.
+
+    With `into` (a state dict of the same structure), the values are copied into its tensors in
+    place (any device) and `into` is returned: a contiguous CPU tensor of the saved dtype that
+    owns its whole storage is read straight from the file into its memory, others are copied
+    from a map of the file. Its leaves that are neither tensors nor containers (a learning rate,
+    a step count) take the checkpoint's values. A corrupt entry or a mismatch is found once its
+    bytes are read, so the target may be partly overwritten when that raises. A NumPy (or CuPy)
+    array of the target is filled in place like a tensor.
+
+    Sharded checkpoints (DTensors saved on several ranks): without `into`, the tensors of rank
+    `rank`'s file are its local shards, as plain tensors. With `into`, each DTensor of the target
+    (any mesh, any number of ranks) gets its local shard filled from whichever saved shards
+    overlap it, and a plain tensor the whole global tensor; only the file entries holding those
+    bytes are read, and their checksums verified. Other leaves come from rank `rank`'s file.
+    A copy held in memory holds one rank's shards only: it fills DTensors sharded as when it was
+    saved, and refuses (`NotSupportedError`) a target that needs other ranks' shards.
+
+    A checkpoint root loads the newest checkpoint this rank can restore: the one held in shared
+    memory for this root and rank (a trainer that died, see the memory tier in `Checkpointer`),
+    when it is newer than the newest on disk or is that one, every CRC32C checked as it is read
+    (a copy that fails is passed over, on every rank, with a warning); else the
+    newest on disk. With torch.distributed initialized on several ranks and `rank` not given,
+    loading a root is collective (every rank calls it): the ranks agree, over a gloo group of
+    their own, on the newest checkpoint every rank can restore, from its own memory, from
+    another node's (a replica, see ``Checkpointer(replicate=True)``, fetched over an
+    authenticated connection and checked), or from disk; a rank whose copy is missing or corrupt
+    makes all of them take an older one, with a `MemoryTierWarning` naming the rank and why.
+
+    Args:
+        path: a checkpoint directory, a file in it, or a checkpoint root (the newest checkpoint
+            in memory or on disk, see above).
+        map_location: the device the tensors are placed on (None: the CPU).
+        verify: check the CRC32C of every file entry, also those the target does not use.
+        allow_pickle: load values that were stored pickled (trusted sources only).
+        rank: whose files to read (and, resharding, whose shards `into` holds); None: this
+            process's rank in torch.distributed (0 without it), agreeing with the other ranks.
+        into: a state dict to fill in place instead of building a new one.
+        mmap: map the file instead of reading it into memory (None: by `map_location`).
+        cupy_as: what saved CuPy arrays come back as: ``"cupy"`` (needs CuPy and a CUDA
+            device) or ``"numpy"``. Not used with `into`, whose arrays are filled as they are.
+        source: for a checkpoint root, where from: ``"auto"`` (the newest of memory and disk),
+            ``"memory"`` (only a checkpoint held in memory) or ``"disk"``.
+        process_group: the group ranks agree over (None: a gloo group made for it, bounded by
+            ``PYSHMCKPT_RESTORE_TIMEOUT``).
+
+    Returns:
+        The state dict, or `into` once filled.
+
+    Raises:
+        CheckpointCorruptError: a file is missing, damaged, or does not match its manifest
+            (naming the file and tensor), or it holds pickled values without `allow_pickle`;
+            a root with nothing every rank can restore (from `source`).
+        CheckpointMismatchError: `into` differs from the checkpoint in structure, shape or dtype,
+            or holds an array that cannot be filled in place (read-only, a dtype torch lacks).
+        CupyUnavailableError: the checkpoint holds CuPy arrays, `cupy_as` is ``"cupy"``, and
+            CuPy is not installed or sees no CUDA device (nothing is read).
+        ConfigError: `cupy_as` is neither ``"cupy"`` nor ``"numpy"``, `source` is not one of
+            the three, or ``"memory"`` with a path that is not a root.
+        NotSupportedError: a checkpoint held in memory loaded `into` DTensors (or tensors)
+            that need bytes of other ranks' shards (another world size or sharding: a memory
+            copy holds only this rank's shards; nothing is written then).
+        PyshmckptOSError: a file exists but cannot be opened or mapped.
+    """
+    if cupy_as not in ("cupy", "numpy"):
+        raise ConfigError(f"cupy_as must be 'cupy' or 'numpy', not {cupy_as!r}")
+    kwargs = {"map_location": map_location, "allow_pickle": allow_pickle, "into": into,
+              "mmap": mmap, "cupy_as": cupy_as}  # fmt: skip
+    if rank is None and source in restore.SOURCES and source != "disk" and restore.agreeing(path):
+        return _load_agreed(path, source, process_group, verify, kwargs)
+    opened, memory, rank = _open(path, rank, source, process_group)
+    if memory != "unverified":  # from disk, or a memory copy whose every checksum was checked
+        return reader.load_opened(
+            opened, rank, verify=verify and not memory, memory=bool(memory), **kwargs
+        )
+    try:  # one pass over the held bytes: checked as they are copied out
+        return reader.load_opened(opened, rank, verify=True, memory=True, **kwargs)
+    except CheckpointCorruptError as exc:
+        if source == "memory":
+            raise
+        restore.unusable(rank, str(exc))
+    return reader.load_opened(open_rank(path, rank), rank, verify=verify, memory=False, **kwargs)
+
+
+def _load_agreed(
+    path: str | os.PathLike[str],
+    source: str,
+    process_group: Any,
+    verify: bool,
+    kwargs: dict[str, Any],
+) -> Any:
+    """`load` of a root by every rank at once: the ranks agree on a checkpoint, each loads its
+    part, checking a copy from this node's memory as it reads it (one pass), and they confirm;
+    when a memory copy failed its checks, every rank chooses and loads again without it."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    group = process_group if process_group is not None else restore.gloo_group()
+    distrust: dict[int, str] = {}
+    try:
+        while True:
+            choice = restore.choose(
+                path, rank, source=source, process_group=group, distrust=distrust
+            )
+            result, failure, again = None, None, False
+            memory = choice.opened is not None
+            used = rank
+            try:
+                if choice.opened is not None:
+                    opened = choice.opened
+                else:
+                    if choice.directory is not None:
+                        used = _saved_rank(choice.directory, rank)
+                    opened = restore.open_choice(choice, used)
+                check = (not choice.verified) if memory else verify
+                result = reader.load_opened(opened, used, verify=check, memory=memory, **kwargs)
+            except CheckpointCorruptError as exc:
+                again = memory and not choice.verified
+                what = f"its memory copy of {choice.name}" if again else choice.name
+                failure = restore.unusable(rank, f"{what}: {exc}") if again else str(exc)
+            failed = restore.confirm(group, rank, failure, again)
+            if not failed:
+                return result
+            fatal = {r: why for r, (why, retry) in failed.items() if not retry or r in distrust}
+            if fatal:
+                r, why = min(fatal.items())
+                raise CheckpointCorruptError(str(path), f"rank {r} cannot restore: {why}")
+            distrust.update({r: why for r, (why, _) in failed.items()})
+    finally:
+        if process_group is None:
+            dist.destroy_process_group(group)
+
+
+def _open(
+    path: str | os.PathLike[str], rank: int | None, source: str, process_group: Any
+) -> tuple[OpenedRank, str, int]:
+    """The rank's files to load, where they are ("" on disk, "verified" or "unverified" in
+    memory: checked already, or to be checked as they are read), and the rank."""
+    explicit = rank is not None
+    if rank is None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if not restore.is_root(path):
+        if source == "memory":
+            raise ConfigError("source='memory' needs a checkpoint root, not one checkpoint")
+        rank = rank if explicit else _saved_rank(checkpoint_dir(path), rank)
+        return open_rank(path, rank), "", rank
+    if source == "disk":
+        rank = rank if explicit else _saved_rank(checkpoint_dir(path), rank)
+        return open_rank(path, rank), "", rank
+    choice = restore.choose(
+        path, rank, source=source, process_group=process_group, agree=not explicit
+    )
+    if choice.opened is None:
+        if not explicit and choice.directory is not None:
+            rank = _saved_rank(choice.directory, rank)
+        return restore.open_choice(choice, rank), "", rank
+    return choice.opened, "verified" if choice.verified else "unverified", rank
+
+
+def _saved_rank(directory: Path, rank: int) -> int:
+    """This process's rank where the checkpoint holds its files, else rank 0 (a checkpoint
+    saved by fewer ranks, or by rank 0 alone: resharding reads every rank's files anyway)."""
+    return rank if (directory / file_names(rank)[1]).exists() else 0
