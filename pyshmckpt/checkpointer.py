@@ -67,7 +67,10 @@ def _rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int,
 
 
 def _run_id(given: str | None, world_size: int, process_group: Any) -> str:
-    """The run id every rank agrees on (see Checkpointer's run_id)."""
+    """The run id every rank agrees on (see Checkpointer's run_id). It is the run's secret, never
+    written to disk: the names of the run's entries on a shared root derive from it
+    (`storage.run_names`), so no other user can predict them. A given run id is that secret and
+    must be as hard to guess; with torch.distributed, rank 0 draws 128 bits and broadcasts them."""
     if given is not None:
         if not isinstance(given, str) or not re.fullmatch(r"[A-Za-z0-9_]{1,64}", given):
             raise ConfigError(f"run_id must be 1-64 letters, digits or '_', not {given!r}")
@@ -94,7 +97,7 @@ def _run_id(given: str | None, world_size: int, process_group: Any) -> str:
             + ("" if member else ", and this rank is not in it")
         )
     first = dist.get_global_rank(group, 0)
-    drawn = [secrets.token_hex(8) if dist.get_rank() == first else None]
+    drawn = [secrets.token_hex(16) if dist.get_rank() == first else None]
     dist.broadcast_object_list(drawn, src=first, group=group)
     if process_group is None:
         dist.destroy_process_group(group)

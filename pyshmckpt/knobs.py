@@ -118,3 +118,26 @@ def replica_address() -> str | None:
     """PYSHMCKPT_REPLICA_ADDRESS: the IPv4 address this node's writers listen on for replicas and
     that names this node (default: the local address of the route to MASTER_ADDR)."""
     return os.environ.get("PYSHMCKPT_REPLICA_ADDRESS") or None
+
+
+def file_mode() -> int | None:
+    """PYSHMCKPT_FILE_MODE: the permission bits, in octal (``640``, ``0640`` or ``0o640``), of
+    every file pyshmckpt creates under a checkpoint root (checkpoint files, ``commit.json``,
+    heartbeats, tombstones, markers, files of the torch writers), set exactly whatever the
+    umask. Each directory it creates gets the same bits with search (x) added wherever read is
+    allowed (``640``: files ``rw-r-----``, directories ``rwxr-x---``). Default (unset or empty,
+    None here): what the process's umask gives, as ``torch.save`` and ``cp`` do (files ``0666``
+    and directories ``0775`` less the umask). Directories are never made writable by others,
+    whatever the setting or umask; the owner must be allowed to read and write."""
+    raw = os.environ.get("PYSHMCKPT_FILE_MODE")
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw.strip(), 8)
+    except ValueError:
+        raise ConfigError(f"PYSHMCKPT_FILE_MODE={raw!r} is not an octal mode such as 640") from None
+    if not 0 <= value <= 0o777:
+        raise ConfigError(f"PYSHMCKPT_FILE_MODE={raw!r} must hold permission bits only (0 to 777)")
+    if value & 0o600 != 0o600:
+        raise ConfigError(f"PYSHMCKPT_FILE_MODE={raw!r} must let the owner read and write (6xx)")
+    return value

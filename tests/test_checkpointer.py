@@ -35,7 +35,7 @@ from pyshmckpt import (
     UnsupportedValueError,
 )
 from pyshmckpt.shm import SlotState
-from pyshmckpt.storage import commit
+from pyshmckpt.storage import commit, directory_commit
 
 from helpers import (
     SAVE_TIMEOUT,
@@ -605,8 +605,8 @@ def test_overwrite_where_the_filesystem_cannot_exchange_renames_the_old_one_away
     def fill(value: str):
         return lambda temp: [(temp / "data").write_text(value) and temp / "data"]
 
-    path = commit.commit_directory(tmp_path / "last", fill("old"), None)
-    commit.commit_directory(tmp_path / "last", fill("new"), None, replace=True)
+    path = directory_commit.commit_directory(tmp_path / "last", fill("old"), None)
+    directory_commit.commit_directory(tmp_path / "last", fill("new"), None, replace=True)
     assert (path / "data").read_text() == "new"
     assert commit.wait_for_deletions(30.0)
     assert visible(tmp_path) == ["last"]

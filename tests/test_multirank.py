@@ -13,6 +13,7 @@ import json
 import os
 import secrets
 import signal
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,6 +103,18 @@ def test_every_rank_writes_its_files_into_one_committed_checkpoint(tmp_path):
             assert pyshmckpt.load(checkpoint, rank=r)["step"] == 3
         assert cks[0].latest() == checkpoint
     assert heartbeats(tmp_path) == [], "a closed rank left its heartbeat behind"
+
+
+def test_every_entry_of_a_save_takes_the_mode_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYSHMCKPT_FILE_MODE", "640")  # the writer processes inherit it
+    with ranks(tmp_path, 2) as cks:
+        futures = [ck.save(rank_state(r, 1), name="c") for r, ck in enumerate(cks)]
+        assert {f.result(timeout=SAVE_TIMEOUT) for f in futures} == {tmp_path / "c"}
+        entries = [tmp_path / "c", *(tmp_path / "c").iterdir()]
+        entries += [tmp_path / name for name in heartbeats(tmp_path)]
+        assert len(entries) == 1 + 5 + 2  # commit.json and two files per rank; two heartbeats
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in entries}
+        assert modes == {p.name: 0o750 if p.is_dir() else 0o640 for p in entries}
 
 
 def test_cli_verify_checks_every_rank_and_names_a_corrupt_one(tmp_path, capsys):

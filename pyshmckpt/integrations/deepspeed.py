@@ -515,8 +515,9 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
                 logger.warning("%s", exc)
 
     def _shared_run_id(self) -> str:
-        """An id all ranks of this engine share (rank 0's), naming their markers."""
-        run = [secrets.token_hex(8)]
+        """A secret id all ranks of this engine share (rank 0's), from which the names of their
+        heartbeats and markers derive (`storage.run_names`)."""
+        run = [secrets.token_hex(16)]
         if self._group is not None:
             dist.broadcast_object_list(
                 run, src=dist.get_global_rank(self._group, 0), group=self._group

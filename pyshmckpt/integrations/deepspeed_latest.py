@@ -4,8 +4,9 @@
 engine's writer and remembers which were written durably. When a tag's save has handed over all
 of this rank's files, the trainer asks its writer to `seal` the tag; being a request in order
 with the writes, it runs once they are done, even when the trainer died or exited meanwhile.
-Sealing writes a marker into the tag directory (``.pyshmckpt-<run>-rank<r>.durable``, or
-``.failed``); rank 0's writer waits for every rank's marker (bounded) and, when all say durable,
+Sealing writes a marker into the tag directory (``.pyshmckpt-<label>-rank<r>.durable``, or
+``.failed``: the run's public label, as the run id is the secret its heartbeats' names derive
+from); rank 0's writer waits for every rank's marker (bounded) and, when all say durable,
 replaces ``latest`` atomically with the tag's name and removes the markers. The ranks' trainers
 never write ``latest`` (one publisher, which outlives them), and it never names a tag of which a
 file is not durable. Each rank's trainer and writer beat in the save directory
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import from_os_error
-from ..storage import commit, liveness
+from ..storage import commit, liveness, run_names
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +36,8 @@ _POLL = 0.01  # seconds between looks for the other ranks' markers
 
 def marker(save_dir: str, tag: str, run: str, rank: int, durable: bool) -> Path:
     """Where rank `rank` of run `run` says whether its files of `tag` are durable."""
-    return (
-        Path(save_dir) / tag / f".pyshmckpt-{run}-rank{rank}.{'durable' if durable else 'failed'}"
-    )
+    state = "durable" if durable else "failed"
+    return Path(save_dir) / tag / f".pyshmckpt-{run_names.label(run)}-rank{rank}.{state}"
 
 
 def write_marker(path: Path) -> None:
@@ -65,7 +65,8 @@ class TagWriter:
         rank_info: the rank and world size (torch's RankInfo).
         writer: the writer class each file is written with (``TorchFileWriter`` or another
             taking ``rank_info=``).
-        run: an id the ranks of one engine share (markers of other runs are ignored).
+        run: the secret id the ranks of one engine share (markers of other runs are ignored;
+            see `storage.run_names`).
         commit_timeout: seconds rank 0's writer waits for the other ranks' markers.
     """
 

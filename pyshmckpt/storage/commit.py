@@ -4,9 +4,11 @@ Protocol: a checkpoint is written into ``root/.tmp-<name>-<random>``; its files 
 are fsynced, then it is renamed to ``root/<name>`` and the root is fsynced. So, under a root,
 every entry whose name does not start with "." is a complete, committed checkpoint. ``latest``
 is a symbolic link to the newest one, replaced atomically after the commit. Retention removes the
-oldest checkpoints (by commit sequence) only after a newer one is committed.
+oldest checkpoints (by commit sequence) only after a newer one is committed. Every entry is
+created without following a link, with the modes of the setting (`entries`).
 
-Several ranks write one checkpoint directory together through `shared_commit`.
+`directory_commit` writes and commits a whole checkpoint with these steps (through
+`shared_commit` when several ranks write it together).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from .. import knobs
 from ..errors import ConfigError, from_os_error, os_error
-from . import liveness
+from . import entries, liveness
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +58,7 @@ def write_file(target: Path, fill: Callable[[BinaryIO], object], temp_prefix: st
     fsynced. Readers see the old file or the whole new one; on failure the temporary is gone."""
     temp = target.with_name(f"{temp_prefix}{secrets.token_hex(8)}")
     try:
-        with temp.open("xb") as file:
+        with entries.open_new_file(temp) as file:
             fill(file)
             file.flush()
             os.fsync(file.fileno())
@@ -76,13 +79,16 @@ def rank_and_world(rank_info: Any) -> tuple[int, int]:
 
 
 def check_root(root: Path) -> None:
-    """Raise a clear error unless `root` is an existing, writable directory."""
+    """Raise a clear error unless `root` is an existing, writable directory (and the mode
+    setting is valid); warn once when others may write it without the sticky bit."""
+    knobs.file_mode()
     if not root.exists():
         raise os_error(errno.ENOENT, f"checkpoint root {root} does not exist", str(root))
     if not root.is_dir():
         raise os_error(errno.ENOTDIR, f"checkpoint root {root} is not a directory", str(root))
     if not os.access(root, os.W_OK | os.X_OK):
         raise os_error(errno.EACCES, f"checkpoint root {root} is not writable", str(root))
+    entries.warn_if_open(root)
 
 
 def check_name(name: str) -> None:
@@ -95,7 +101,7 @@ def check_name(name: str) -> None:
 def new_temp_dir(root: Path, name: str) -> Path:
     check_name(name)
     path = root / f"{TMP_PREFIX}{name}-{secrets.token_hex(8)}"
-    path.mkdir(mode=0o755)
+    entries.make_directory(path)
     return path
 
 
@@ -127,9 +133,10 @@ def commit(
 
     `final_dir` must not exist, unless `replace` is set and it is a committed checkpoint: then
     the two are exchanged atomically (renameat2 RENAME_EXCHANGE, so the name always holds one
-    complete checkpoint) and the old one is deleted in the background. Where the filesystem
-    cannot exchange, the old one is renamed aside first (``.replaced-<name>-*``): a crash
-    between the two renames leaves the name empty, and `clean_leftovers` puts the old one back.
+    complete checkpoint) and, once the root is fsynced, the old one is deleted in the
+    background. Where the filesystem cannot exchange, the old one is renamed aside first
+    (``.replaced-<name>-*``): a crash between the two renames leaves the name empty, and
+    `clean_leftovers` puts the old one back.
     """
     root = final_dir.parent
     exists = final_dir.exists() or final_dir.is_symlink()
@@ -147,23 +154,26 @@ def commit(
     }
     if attempt is not None:
         fields["attempt"] = attempt
-    record.write_text(json.dumps(fields))
+    with entries.open_new_file(record) as file:
+        file.write(json.dumps(fields).encode())
     fsync_path(record)
     fsync_path(temp_dir)
+    replaced = None
     if not exists:
         temp_dir.rename(final_dir)
     elif _exchange(temp_dir, final_dir):
-        _delete(temp_dir, background=True)  # it now holds the replaced checkpoint
+        replaced = temp_dir  # it now holds the replaced checkpoint
     else:
-        aside = root / f"{REPLACED_PREFIX}{final_dir.name}-{secrets.token_hex(8)}"
-        final_dir.rename(aside)
+        replaced = root / f"{REPLACED_PREFIX}{final_dir.name}-{secrets.token_hex(8)}"
+        final_dir.rename(replaced)
         try:
             temp_dir.rename(final_dir)
         except BaseException:
-            aside.rename(final_dir)
+            replaced.rename(final_dir)
             raise
-        _delete(aside, background=True)
     fsync_path(root)
+    if replaced is not None:  # only now: a crash may undo a swap that is not yet durable
+        _delete(replaced, background=True)
     logger.debug("committed %s (sequence %d)%s", final_dir, sequence, " over the old" * exists)
 
 
@@ -315,7 +325,7 @@ def in_use(directory: Path) -> Iterator[None]:
     """Mark a checkpoint's temporary directory as being written (a shared flock held while the
     block runs), so that `clean_leftovers` of a restarted job leaves it alone: the writer of a
     trainer that died may still be finishing it."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         yield
@@ -325,7 +335,7 @@ def in_use(directory: Path) -> Iterator[None]:
 
 def _being_written(directory: Path) -> bool:
     try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return False
     try:
@@ -342,10 +352,20 @@ def _being_written(directory: Path) -> bool:
 def clean_leftovers(root: Path) -> list[str]:
     """Remove temporaries a crash left behind (unfinished checkpoints, trash, link temporaries),
     except checkpoints a live writer is still writing (see `in_use`); a checkpoint a crash left
-    renamed aside while being replaced goes back to its name if nothing took it."""
+    renamed aside while being replaced goes back to its name if nothing took it. Entries of
+    other users are left alone: whatever their names, they are not ours."""
     removed = []
+    uid = os.geteuid()
     for entry in os.scandir(root):
         path = Path(entry.path)
+        if not entry.name.startswith(_LEFTOVER_PREFIXES):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != uid:
+                logger.debug("left %s alone: it belongs to another user", entry.name)
+                continue
+        except FileNotFoundError:
+            continue
         if entry.name.startswith(REPLACED_PREFIX):
             name = entry.name[len(REPLACED_PREFIX) :].rsplit("-", 1)[0]
             if not ((root / name).exists() or (root / name).is_symlink()):
@@ -358,29 +378,29 @@ def clean_leftovers(root: Path) -> list[str]:
                     path.unlink()
                 removed.append(entry.name)
             continue
-        if entry.name.startswith(
-            (TMP_PREFIX, TRASH_PREFIX, FAILED_PREFIX, REPLACED_PREFIX, f".{LATEST}-")
-        ):
-            if path.is_dir() and not path.is_symlink():
-                if entry.name.startswith(TMP_PREFIX) and _being_written(path):
-                    logger.info("left %s alone: a writer is still finishing it", entry.name)
-                    continue
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-            removed.append(entry.name)
+        if path.is_dir() and not path.is_symlink():
+            if entry.name.startswith(TMP_PREFIX) and _being_written(path):
+                logger.info("left %s alone: a writer is still finishing it", entry.name)
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        removed.append(entry.name)
     if removed:
         logger.info("removed leftovers of interrupted saves from %s: %s", root, removed)
     return removed
 
 
+_LEFTOVER_PREFIXES = (
+    TMP_PREFIX, TRASH_PREFIX, FAILED_PREFIX, REPLACED_PREFIX, f".{LATEST}-", liveness.PREFIX
+)  # fmt: skip
 _STALE_HEARTBEAT = 600.0
 
 
 def _untouched_for(path: Path, seconds: float) -> bool:
     try:
-        return time.time() - path.stat().st_mtime > seconds
+        return time.time() - path.lstat().st_mtime > seconds
     except OSError:
         return False
 
@@ -388,60 +408,16 @@ def _untouched_for(path: Path, seconds: float) -> bool:
 Fill = Callable[[Path], "Iterable[Path] | None"]
 
 
-def commit_directory(
-    path: str | os.PathLike[str],
-    fill: Fill,
-    keep_last: int | None,
-    *,
-    rank: int = 0,
-    world_size: int = 1,
-    attempt: str | None = None,
-    barrier_timeout: float = 600.0,
-    replace: bool = False,
-    link_latest: bool = True,
-) -> Path:
-    """Write a checkpoint with `fill(temp_dir)`, then commit it as `path`, update `latest`
-    (unless `link_latest` is False), and apply retention. Nothing is visible under the root
-    until the rename; on any failure the temporary directory is removed and earlier
-    checkpoints are untouched.
-
-    `fill` returns the files it wrote (None: every file in the directory), which are fsynced.
-    With `replace`, a committed checkpoint at `path` is replaced atomically (see `commit`).
-    With world_size > 1, every rank calls this with the same `path` and `attempt` (see the module
-    docstring of `shared_commit`); `attempt` must be unique to this save among all saves into the root.
-    """
-    final = Path(path)
-    root = final.parent
-    check_root(root)
-    if world_size > 1:
-        if not attempt or not isinstance(attempt, str) or "/" in attempt or "-" in attempt:
-            raise ConfigError(
-                f"a multi-rank save needs an attempt id without '-' or '/', not {attempt!r}"
-            )
-        from .shared_commit import SharedCommit  # (it builds on this module's steps)
-
-        shared = SharedCommit(final, rank, world_size, attempt, barrier_timeout, replace)
-        return shared.run(fill, keep_last, link_latest)
-    if replace and (final.exists() or final.is_symlink()):
-        check_replaceable(final)  # before writing anything
-    temp = new_temp_dir(root, final.name)
-    try:
-        with in_use(temp):
-            fill_and_sync(temp, fill)
-            commit(temp, final, replace=replace)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
-    if link_latest:
-        update_latest(root, final.name)
-    if keep_last is not None:
-        retain(root, keep_last, background=True)
-    return final
-
-
 def fill_and_sync(temp: Path, fill: Fill) -> None:
+    """Run `fill` in `temp`, then give the files it wrote (None: every file there) the mode of
+    the setting, whichever code created them, and fsync them."""
     files = fill(temp)
     if files is None:
         files = [Path(e.path) for e in os.scandir(temp) if e.is_file(follow_symlinks=False)]
     for file in files:
-        fsync_path(file)
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            entries.settle(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)

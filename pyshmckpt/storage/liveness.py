@@ -1,13 +1,15 @@
 """Heartbeats of the ranks that commit checkpoints together, through files on the shared root.
 
 A rank's trainer (for as long as its Checkpointer is open) and its writer process (while it takes
-part in a multi-rank commit) both rewrite ``root/.alive-<run>.rank<r>`` every `INTERVAL` seconds
-with their pid and a counter. A rank waiting for another watches that file: as long as its content
-changes, some process of that rank lives and may still deliver; when it stays the same for the
-heartbeat timeout (`knobs.heartbeat_timeout`, measured on the watcher's own monotonic clock, so
-that clocks of different nodes never meet), every process of that rank is gone, and the attempt
-cannot complete. No network, no collective: a rank on a node that vanished stops beating like one
-whose processes were killed.
+part in a multi-rank commit) both rewrite ``root/.alive-<tag>`` every `INTERVAL` seconds with their
+pid and a counter (the tag names the run and the rank under the run's secret, `run_names`: no one
+else can predict it; the file is never opened through a link, nor used when another user's). A
+rank waiting for another watches that file: as long as its content changes, some process of that
+rank lives and may still deliver; when it stays the same for the heartbeat timeout
+(`knobs.heartbeat_timeout`, measured on the watcher's own monotonic clock, so that clocks of
+different nodes never meet), every process of that rank is gone, and the attempt cannot complete.
+No network, no collective: a rank on a node that vanished stops beating like one whose processes
+were killed.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from .. import knobs
+from ..errors import PyshmckptOSError
+from . import entries, run_names
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +36,8 @@ _WIDTH = 48  # every beat writes this many bytes: two writers of one file never 
 
 
 def beat_path(root: Path, run: str, rank: int) -> Path:
-    return root / f"{PREFIX}{run}.rank{rank}"
+    """Where rank `rank` of run `run` (the run's secret id) beats under `root`."""
+    return root / f"{PREFIX}{run_names.tag(run, 'alive', rank)}"
 
 
 class Heartbeat:
@@ -45,6 +50,7 @@ class Heartbeat:
         self._stopped = threading.Event()
         self._counter = itertools.count()
         self._warned = False
+        entries.warn_if_open(path.parent)
         self._beat()  # the first beat before anyone waits on it
         self._thread = threading.Thread(target=self._run, name="pyshmckpt-heartbeat", daemon=True)
         self._thread.start()
@@ -60,7 +66,7 @@ class Heartbeat:
         text = f"{os.getpid()} {next(self._counter)} {time.time():.3f}".ljust(_WIDTH - 1) + "\n"
         try:
             # Opened by name each time: a file removed meanwhile (cleaning a root) comes back.
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+            fd = entries.open_own_file(self.path)
             try:
                 os.pwrite(fd, text.encode(), 0)
             finally:
@@ -80,8 +86,9 @@ class Heartbeat:
 
     def _remove(self) -> None:
         self._stopped.set()
-        with contextlib.suppress(OSError):
-            self.path.unlink()
+        if entries.is_own(self.path):  # what another user put at its name is theirs
+            with contextlib.suppress(OSError):
+                self.path.unlink()
 
 
 _SHARED: dict[Path, tuple[Heartbeat, int]] = {}
@@ -115,6 +122,7 @@ class Watch:
         self.root, self.run = root, run
         self.timeout = knobs.heartbeat_timeout() if timeout is None else timeout
         self._seen: dict[int, tuple[bytes | None, float]] = {}  # rank: (content, when it changed)
+        self._refused: dict[int, str] = {}  # rank: why its heartbeat's entry is not read
         self._next = 0.0
 
     def gone(self, ranks: Iterable[int]) -> list[int]:
@@ -137,7 +145,10 @@ class Watch:
 
     def _read(self, rank: int) -> bytes | None:
         try:
-            return beat_path(self.root, self.run, rank).read_bytes()
+            return entries.read_own_file(beat_path(self.root, self.run, rank), _WIDTH)
+        except PyshmckptOSError as exc:  # a link or another user's file: never read through
+            self._refused[rank] = str(exc)
+            return None
         except OSError:
             return None
 
@@ -145,6 +156,7 @@ class Watch:
         seen = self._seen.get(rank)
         content = seen[0] if seen is not None else None
         if content is None:
-            return f"rank {rank} has no heartbeat"
+            refused = self._refused.get(rank)
+            return f"rank {rank} has no heartbeat" + (f" ({refused})" if refused else "")
         pid = content.split(b" ", 1)[0].decode(errors="replace")
         return f"the heartbeat of rank {rank} (last from pid {pid}) stopped"

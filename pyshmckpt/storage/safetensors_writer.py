@@ -30,7 +30,8 @@ from ..errors import NotSupportedError
 from ..shm import SlotMapping
 from ..staging import Manifest
 from ..staging.manifest import contiguous_stride
-from . import commit, file_output, progress, tree_codec
+from . import commit, directory_commit, file_output, progress, tree_codec
+from .entries import create_file, open_new_file
 from .safetensors_header import NAME_TO_CODE, HeaderEntry, build_header, code_itemsize
 
 logger = logging.getLogger(__name__)
@@ -226,7 +227,7 @@ class SafetensorsWriter:
 
     def write_slot(self, path: str, slot: SlotMapping, manifest: Manifest, **kwargs: Any) -> None:
         tree = tree_codec.encode(manifest.tree, allow_pickle=self.allow_pickle)
-        commit.commit_directory(
+        directory_commit.commit_directory(
             path,
             lambda temp: self._write_files(temp, slot, manifest, tree, kwargs.get("staged_ns")),
             self.keep_last,
@@ -274,7 +275,7 @@ class SafetensorsWriter:
             checksums = pool.submit(slot.checksums, ranges)
             try:
                 st_path = directory / st_name
-                fd = os.open(st_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                fd = create_file(st_path)
                 try:
                     if direct:
                         data = view[: manifest.size]
@@ -304,8 +305,8 @@ class SafetensorsWriter:
         if isinstance(staged_ns, int):  # when the save was staged: restore compares it
             described["staged_ns"] = staged_ns
         json_path = directory / json_name
-        with json_path.open("w") as f:
-            json.dump(described, f, separators=(",", ":"))
+        with open_new_file(json_path) as f:
+            f.write(json.dumps(described, separators=(",", ":")).encode())
             f.flush()
             os.fsync(f.fileno())
         return []  # both files are fsynced already

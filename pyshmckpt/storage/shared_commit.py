@@ -1,20 +1,25 @@
 """A checkpoint directory written by several ranks together (world_size > 1, on a filesystem they
 share), committed once by rank 0 with `commit`'s steps.
 
-Each save is an *attempt* with an id every rank agrees on (a session id shared at start plus the
-save's sequence number), so nothing left by another attempt is ever mistaken for this one's. Every
-rank writes its files into ``root/.tmp-<name>-<attempt>``, fsyncs them and the directory, then
-creates ``.rank<r>.done``. Rank 0 waits (bounded) for every marker, claims them by unlinking each
-one, and commits it as a single rank does (`commit.commit`). A rank that gives up waiting withdraws
-its marker by renaming it: whichever of the claim and the withdrawal comes first decides,
-atomically, whether the attempt can still be committed. Any rank that fails or gives up writes a
-tombstone ``root/.failed-<name>-<attempt>`` with its reason: every other rank stops at once with
-that reason, and nothing is committed. The other ranks return once the committed checkpoint's
-record names their attempt. A rank whose processes are all gone (killed, or its node lost) stops
-its heartbeat (`liveness`): rank 0 gives the attempt up once a rank it waits for is gone, and the
-others once rank 0 is, within the heartbeat timeout rather than the barrier timeout.
-Only rank 0 removes temporaries: a dead attempt's files once a later attempt is committed (every
-rank has finished with the earlier one by then), and everything left when a root is opened.
+Each save is an *attempt* with an id every rank agrees on, ``<run>.<number>``: the run's secret id,
+shared at start and never written to disk, and the save's sequence number. Nothing left by another
+attempt is ever mistaken for this one's, and no one without the secret can predict this one's
+names (`run_names`): the root shows ``<number>.<tag>`` where it names an attempt, and
+``commit.json`` the run's public label and the number. Every rank writes its files into
+``root/.tmp-<name>-<number>.<tag>`` (made by the first rank there, joined by the others only when
+it is a directory of this user that others cannot write: `entries`), fsyncs them and the
+directory, then creates ``.rank<r>.done``. Rank 0 waits (bounded) for every marker, claims them by
+unlinking each one, and commits it as a single rank does (`commit.commit`). A rank that gives up
+waiting withdraws its marker by renaming it: whichever of the claim and the withdrawal comes first
+decides, atomically, whether the attempt can still be committed. Any rank that fails or gives up
+writes a tombstone ``root/.failed-<name>-<number>.<tag>`` with its reason: every other rank stops
+at once with that reason, and nothing is committed. The other ranks return once the committed
+checkpoint's record names their attempt. A rank whose processes are all gone (killed, or its node
+lost) stops its heartbeat (`liveness`): rank 0 gives the attempt up once a rank it waits for is
+gone, and the others once rank 0 is, within the heartbeat timeout rather than the barrier timeout.
+Only rank 0 removes temporaries, and only its own user's: a dead attempt's files once a later
+attempt is committed (every rank has finished with the earlier one by then), and everything left
+when a root is opened.
 """
 
 from __future__ import annotations
@@ -24,13 +29,14 @@ import errno
 import json
 import logging
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from ..errors import CommitError, CommitTimeoutError, ConfigError, os_error
-from . import liveness, progress
+from . import entries, liveness, progress, run_names
 from .commit import (
     COMMIT_RECORD,
     FAILED_PREFIX,
@@ -51,6 +57,20 @@ logger = logging.getLogger(__name__)
 def run_of(attempt: str) -> str:
     """The run an attempt id (``<run>.<number>``) belongs to."""
     return attempt.rpartition(".")[0] or attempt
+
+
+def public_attempt(attempt: str) -> str:
+    """How the root names an attempt (``commit.json``, logs): the run's public label and the
+    save's number, never the run's secret."""
+    return f"{run_names.label(run_of(attempt))}.{_number_of(attempt)}"
+
+
+def _number_of(attempt: str) -> str:
+    run, _, number = attempt.rpartition(".")
+    return number if run else ""
+
+
+_TOMB_LIMIT = 64 << 10  # bytes of a tombstone's reason read back
 
 
 def abandon(root: Path, name: str, attempt: str, rank: int, world_size: int, reason: str) -> None:
@@ -79,11 +99,16 @@ class SharedCommit:
         self.final, self.root, self.name = final, final.parent, final.name
         self.rank, self.world_size, self.attempt, self.timeout = rank, world_size, attempt, timeout
         self.replace = replace
-        self.temp = self.root / f"{TMP_PREFIX}{final.name}-{attempt}"
-        self.tomb = self.root / f"{FAILED_PREFIX}{final.name}-{attempt}"
+        self.run_id, self.number = run_of(attempt), _number_of(attempt)
+        self.public = public_attempt(attempt)
+        self.temp = self.root / f"{TMP_PREFIX}{final.name}-{self._suffix('tmp', self.number)}"
+        self.tomb = self.root / f"{FAILED_PREFIX}{final.name}-{self._suffix('failed', self.number)}"
         self.done = self.temp / f".rank{rank}.done"
-        self.run_id = run_of(attempt)
         self.watch = liveness.Watch(self.root, self.run_id)
+
+    def _suffix(self, kind: str, number: str) -> str:
+        """The name part of this run's `kind` of entry for attempt `number`."""
+        return f"{number}.{run_names.tag(self.run_id, kind, number)}"
 
     def run(self, fill: Fill, keep_last: int | None, link_latest: bool = True) -> Path:
         # Beating while this rank takes part: the others see it alive even once its trainer died.
@@ -102,7 +127,7 @@ class SharedCommit:
         deadline = time.monotonic() + (self.timeout if self.rank == 0 else self.timeout * 1.1 + 1.0)
         with contextlib.ExitStack() as lock:
             try:
-                self.temp.mkdir(mode=0o755, exist_ok=True)
+                entries.make_or_join_directory(self.temp)
                 lock.enter_context(in_use(self.temp))
                 fill_and_sync(self.temp, fill)
                 self._mark_done()
@@ -121,10 +146,10 @@ class SharedCommit:
             self._wait_for_ranks(deadline)
             self._claim()
             commit(
-                self.temp, self.final, self.world_size, replace=self.replace, attempt=self.attempt
+                self.temp, self.final, self.world_size, replace=self.replace, attempt=self.public
             )
         except CommitError:
-            shutil.rmtree(self.temp, ignore_errors=True)
+            self._remove_temp()
             raise
         except BaseException as exc:
             self._bury(f"rank 0 could not commit: {type(exc).__name__}: {exc}")
@@ -136,15 +161,18 @@ class SharedCommit:
             retain(self.root, keep_last, background=True)
         return self.final
 
+    def _remove_temp(self) -> None:
+        """Remove this attempt's temporary directory, unless what has its name is not ours."""
+        if entries.is_own(self.temp):
+            shutil.rmtree(self.temp, ignore_errors=True)
+
     def _mark_done(self) -> None:
         """Make this rank's file names durable, then say so. The marker is created through a
         descriptor of the directory, so rank 0 may claim and rename it at any moment after."""
-        dfd = os.open(self.temp, os.O_RDONLY | os.O_DIRECTORY)
+        dfd = os.open(self.temp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             os.fsync(dfd)
-            os.close(
-                os.open(self.done.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd)
-            )
+            os.close(entries.create_file(self.done.name, dir_fd=dfd))
         finally:
             os.close(dfd)
 
@@ -153,32 +181,34 @@ class SharedCommit:
         (a hard link of a written file), and the first one stays; where even that cannot be
         written (a full disk), an empty tombstone still stops every rank. Rank 0 removes the
         temporary directory first, which also frees the space the reason needs on a full disk."""
-        logger.warning("giving up checkpoint %s (attempt %s): %s", self.name, self.attempt, reason)
+        logger.warning("giving up checkpoint %s (attempt %s): %s", self.name, self.public, reason)
         if self.rank == 0:
-            shutil.rmtree(self.temp, ignore_errors=True)
-        staged = self.root / f"{FAILED_PREFIX}{self.name}-{self.attempt}.rank{self.rank}"
+            self._remove_temp()
+        # A name of its own: the tombstone's is not shown before it exists.
+        staged = self.root / f"{FAILED_PREFIX}{self.name}-{self.number}.{secrets.token_hex(16)}"
         try:
-            staged.write_text(reason)
+            with entries.open_new_file(staged) as file:
+                file.write(reason.encode(errors="replace"))
             os.link(staged, self.tomb)
         except FileExistsError:
             pass
         except OSError:
             with contextlib.suppress(OSError):
-                os.close(os.open(self.tomb, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                os.close(entries.create_file(self.tomb))
         finally:
             with contextlib.suppress(OSError):
                 staged.unlink()
 
     def _check_tomb(self) -> None:
         try:
-            reason = self.tomb.read_text(errors="replace")
+            reason = entries.read_own_file(self.tomb, _TOMB_LIMIT).decode(errors="replace")
         except FileNotFoundError:
             return
         reason = (
             reason or "another rank gave up (its reason could not be written: is the disk full?)"
         )
         if self.rank == 0:
-            shutil.rmtree(self.temp, ignore_errors=True)
+            self._remove_temp()
         raise CommitError(f"checkpoint {self.name} was abandoned: {reason}")
 
     def _wait_for_ranks(self, deadline: float) -> None:
@@ -263,23 +293,29 @@ class SharedCommit:
         """Rank 0 committed this attempt (not an earlier checkpoint of the same name)."""
         with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
             record = json.loads((self.final / COMMIT_RECORD).read_text())
-            return bool(record.get("attempt") == self.attempt)
+            return bool(record.get("attempt") == self.public)
         return False
 
     def _remove_dead_attempts(self) -> None:
-        """Every rank has finished with this session's earlier attempts (each rank saves in
-        order, and all of them took part in this one): remove their temporaries and tombstones."""
-        session, _, number = self.attempt.rpartition(".")
+        """Every rank has finished with this run's earlier attempts (each rank saves in order,
+        and all of them took part in this one): remove their temporaries and tombstones, known
+        by the names only this run can make."""
+        if not self.number.isdigit():
+            return
         for entry in os.scandir(self.root):
-            if not entry.name.startswith((TMP_PREFIX, FAILED_PREFIX)):
+            if entry.name.startswith(TMP_PREFIX):
+                kind = "tmp"
+            elif entry.name.startswith(FAILED_PREFIX):
+                kind = "failed"
+            else:
                 continue
             other = entry.name.rpartition("-")[2]
-            other_session, _, other_number = other.rpartition(".")
+            other_number = other.partition(".")[0]
             if (
-                other_session == session
-                and other_number.isdigit()
-                and number.isdigit()
-                and int(other_number) < int(number)
+                other_number.isdigit()
+                and int(other_number) < int(self.number)
+                and other == self._suffix(kind, other_number)
+                and entries.is_own(Path(entry.path))
             ):
                 if entry.is_dir(follow_symlinks=False):
                     shutil.rmtree(entry.path, ignore_errors=True)

@@ -12,7 +12,7 @@ from typing import Any, BinaryIO
 import torch
 
 from ..errors import NotSupportedError
-from . import commit, file_output
+from . import commit, directory_commit, entries, file_output
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +34,14 @@ class TorchSaveWriter:
         def fill(temp: Path) -> list[Path]:
             file = temp / f"checkpoint_{self.rank}.pt"
             try:
-                with file.open("xb") as out:
+                with entries.open_new_file(file) as out:
                     torch.save(state_dict, file_output.progress_file(out))
             except BaseException:
                 file.unlink(missing_ok=True)  # free the space before other ranks are told
                 raise
             return [file]
 
-        commit.commit_directory(
+        directory_commit.commit_directory(
             path, fill, self.keep_last, rank=self.rank, world_size=self.world_size,
             attempt=kwargs.get("attempt"), barrier_timeout=self.barrier_timeout,
             replace=bool(kwargs.get("replace", False)),
@@ -72,7 +72,7 @@ class DcpWriter:
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.save(state_dict, checkpoint_id=os.fspath(temp), no_dist=True)
 
-        commit.commit_directory(
+        directory_commit.commit_directory(
             path, fill, self.keep_last, replace=bool(kwargs.get("replace", False)),
             link_latest=bool(kwargs.get("link_latest", True)),
         )  # fmt: skip

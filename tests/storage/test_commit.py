@@ -5,15 +5,23 @@ checked: only whole checkpoints, under their names, and `latest` naming a whole 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
+import os
+import select
+import struct
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from pyshmckpt.storage import commit
+from pyshmckpt.storage import commit, directory_commit
 
 from helpers import child_env
 
@@ -22,7 +30,7 @@ CRASHING_SAVE = textwrap.dedent(
     """
     import os, sys
     from pathlib import Path
-    from pyshmckpt.storage import commit
+    from pyshmckpt.storage import commit, directory_commit
 
     root, step = Path(sys.argv[1]), sys.argv[2]
 
@@ -55,7 +63,9 @@ CRASHING_SAVE = textwrap.dedent(
                 die()
             return moved
         Path.rename = rename_then_die
-    commit.commit_directory(root / "new", fill, keep_last=1, replace=(root / "new").exists())
+    directory_commit.commit_directory(
+        root / "new", fill, keep_last=1, replace=(root / "new").exists()
+    )
     """
 )
 
@@ -64,7 +74,7 @@ def save(root: Path, name: str, text: str, **options: object) -> None:
     def fill(temp: Path) -> None:
         (temp / "data").write_text(text)
 
-    commit.commit_directory(root / name, fill, None, **options)  # type: ignore[arg-type]
+    directory_commit.commit_directory(root / name, fill, None, **options)  # type: ignore[arg-type]
 
 
 def crash_during_save(tmp_path: Path, root: Path, step: str) -> None:
@@ -148,3 +158,109 @@ def test_a_crash_between_the_two_renames_of_a_replacement_puts_the_old_one_back(
     assert not (root / "new").exists()  # the name was empty when it died
     assert seen_after_restart(root) == (["new"], "new", [])
     assert (root / "new" / "data").read_text() == "the old one"
+
+
+# --------------------------------------------------------------------------------------------
+# replacing: the old checkpoint's files go only once the swap is durable
+# --------------------------------------------------------------------------------------------
+
+_FAN_CLOEXEC, _FAN_CLASS_CONTENT, _FAN_MARK_ADD = 0x1, 0x4, 0x1
+_FAN_OPEN_PERM, _FAN_ONDIR, _FAN_ALLOW, _AT_FDCWD = 0x10000, 0x40000000, 0x1, -100
+_EVENT = struct.Struct("=IBBHQii")  # struct fanotify_event_metadata
+_RESPONSE = struct.Struct("=iI")  # struct fanotify_response
+
+
+@contextlib.contextmanager
+def held_opens(directory: Path, on_open: Callable[[], None]) -> Iterator[None]:
+    """Every open() of `directory` (fsyncing a directory opens it) waits in the kernel while
+    `on_open` runs in a thread of this process (fanotify permission events; skips the test
+    without CAP_SYS_ADMIN). Closing the group lets every open still held go on."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fan = libc.fanotify_init(_FAN_CLASS_CONTENT | _FAN_CLOEXEC, os.O_RDONLY)
+    if fan < 0:
+        pytest.skip(f"fanotify permission events: {os.strerror(ctypes.get_errno())}")
+    mark = libc.fanotify_mark
+    mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p]
+    mask = _FAN_OPEN_PERM | _FAN_ONDIR
+    if mark(fan, _FAN_MARK_ADD, mask, _AT_FDCWD, os.fsencode(directory)) != 0:
+        os.close(fan)
+        pytest.skip(f"fanotify_mark: {os.strerror(ctypes.get_errno())}")
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not select.select([fan], [], [], 0.05)[0]:
+                continue
+            data = os.read(fan, 4096)
+            offset = 0
+            while offset < len(data):
+                length, *_, fd, _pid = _EVENT.unpack_from(data, offset)
+                try:
+                    on_open()
+                except BaseException as exc:  # noqa: BLE001 - raised in the test's thread below
+                    failures.append(exc)
+                finally:
+                    os.write(fan, _RESPONSE.pack(fd, _FAN_ALLOW))
+                    os.close(fd)
+                offset += length
+
+    thread = threading.Thread(target=serve, name="held-opens", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)
+        os.close(fan)
+    if failures:
+        raise failures[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_replaced_checkpoint_is_deleted_only_once_the_root_is_fsynced(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    save(root, "c", "old")
+    old_dir = (root / "c").stat().st_ino
+    old_file = os.open(root / "c" / "data", os.O_RDONLY)  # its link count says when it is deleted
+    links_while_the_root_is_fsynced: list[int] = []
+
+    def on_open() -> None:
+        # The first open of the root after the swap is the fsync that makes the swap durable:
+        # held for a while, the old checkpoint's file must stay meanwhile.
+        if (root / "c").stat().st_ino == old_dir or links_while_the_root_is_fsynced:
+            return
+        deadline = time.monotonic() + 1.0
+        while os.fstat(old_file).st_nlink and time.monotonic() < deadline:
+            time.sleep(0.01)
+        links_while_the_root_is_fsynced.append(os.fstat(old_file).st_nlink)
+
+    try:
+        with held_opens(root, on_open):
+            save(root, "c", "new", replace=True)
+        assert links_while_the_root_is_fsynced == [1], "deleted before the swap was durable"
+        assert commit.wait_for_deletions(30)
+        assert os.fstat(old_file).st_nlink == 0  # and deleted after it
+    finally:
+        os.close(old_file)
+    assert (root / "c" / "data").read_text() == "new"
+    assert sorted(p.name for p in root.iterdir()) == ["c", "latest"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to give entries to another user")
+def test_leftovers_of_another_user_are_left_alone(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    root.chmod(0o1777)
+    theirs = [root / ".tmp-c-1.0123", root / ".failed-c-1.0123", root / ".alive-0123"]
+    theirs[0].mkdir()
+    for path in theirs[1:]:
+        path.write_text("theirs")
+        os.utime(path, (0, 0))  # a heartbeat untouched for long: ours would be removed
+    for path in theirs:
+        os.lchown(path, 65534, 65534)
+    ours = root / ".tmp-d-0123456789abcdef"
+    ours.mkdir()
+    assert commit.clean_leftovers(root) == [ours.name]
+    assert all(path.exists() for path in theirs)
