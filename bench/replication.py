@@ -29,7 +29,12 @@ node; every rank's node-to-node traffic crosses the bridge, all on this machine'
      job replicates at once (the slower direction's time).
 
    One raw transfer and one save (both ways) warm up first. Throughput = bytes / median time;
-   goal: replica one way >= 0.8x raw one way.
+   goal: replica one way >= 0.8x raw one way. Each size runs once per --protection, each a
+   job of its own (its raw TCP measured in that job): ``mac``, the default (every message and
+   piece of bytes authenticated: AES-GMAC, the `cryptography` package being installed);
+   ``hmac``, as without that package (HMAC-SHA256: the job's ``PYTHONPATH`` starts with a
+   folder whose ``cryptography`` cannot be imported); ``encrypted``
+   (``PYSHMCKPT_REPLICA_ENCRYPT=1``: AES-256-GCM).
 
 2. Training slowdown (``training``): the demo's GPT (pyshmckpt.cli.demo.gpt) with AdamW on both
    ranks, data parallel (one all_reduce of the flattened gradients a step), OMP_NUM_THREADS=1,
@@ -93,6 +98,7 @@ WORKER = HERE / "replication_worker.py"
 MIB = 1 << 20
 GIB = 1 << 30
 MEASUREMENTS = ("throughput", "training", "restore")
+PROTECTIONS = ("mac", "hmac", "encrypted")  # see the module
 RUN_TIMEOUT = 900  # seconds one torchrun launch may take
 SAVED_TIMEOUT = 600  # seconds until both ranks' persisted save is done
 FREED_TIMEOUT = 60  # seconds the writers may take to free their memory once a job ended
@@ -144,10 +150,25 @@ class Run:
     def host_ours(self) -> list[str]:
         return [p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(self.prefix + "-")]
 
-    def job(self, mode: str, params: dict[str, Any], restore: bool = False) -> Path:
-        """One job on both nodes (see the module), checked to have left no segment of ours
-        anywhere; its output folder (the ranks' results and logs)."""
+    def job(
+        self,
+        mode: str,
+        params: dict[str, Any],
+        restore: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> Path:
+        """One job on both nodes (see the module), with `env` added to its environment,
+        checked to have left no segment of ours anywhere; its output folder (the ranks'
+        results and logs)."""
         self.jobs += 1
+        saved_env = self.env
+        self.env = self.env | (env or {})
+        try:
+            return self._job(mode, params, restore)
+        finally:
+            self.env = saved_env
+
+    def _job(self, mode: str, params: dict[str, Any], restore: bool) -> Path:
         out = self.work / f"job{self.jobs}-{mode}"
         out.mkdir()
         (out / "params.json").write_text(json.dumps(params))
@@ -223,25 +244,29 @@ def wait_until(
 # -- the three measurements --------------------------------------------------------------------
 
 
-def replication_size(run: Run, args: argparse.Namespace, nbytes: int) -> dict[str, Any]:
-    """Throughput (and with "restore", the restore) for one size."""
-    restore = "restore" in args.measure
-    params = {
-        "root": str(Path(tempfile.mkdtemp(prefix="root-", dir=run.work))), "bytes": nbytes,
-        "tensors": args.tensors, "repeats": args.repeats, "restore": restore,
-        "prefix": run.prefix, "hold_timeout": 600, "drop_caches": args.drop_caches,
-        "throughput": "throughput" in args.measure,
-    }  # fmt: skip
-    out = run.job("replicate", params, restore=restore)
-    exact = nbytes // 4 // args.tensors * 4 * args.tensors
-    case: dict[str, Any] = {"size": nbytes, "bytes": exact}
-    rows = json.loads((out / "throughput.json").read_text())["rows"] if params["throughput"] else []
+def protection_env(run: Run, protection: str) -> dict[str, str]:
+    """The environment a job adds for `protection` (see the module)."""
+    if protection == "encrypted":
+        return {"PYSHMCKPT_REPLICA_ENCRYPT": "1"}
+    if protection == "hmac":  # as if `cryptography` were not installed
+        hidden = run.work / "no-cryptography" / "cryptography"
+        hidden.mkdir(parents=True, exist_ok=True)
+        (hidden / "__init__.py").write_text(
+            'raise ImportError("hidden by bench/replication.py --protection hmac")\n'
+        )
+        return {"PYTHONPATH": os.pathsep.join([str(hidden.parent), run.env["PYTHONPATH"]])}
+    return {"PYSHMCKPT_REPLICA_ENCRYPT": "0"}
+
+
+def throughput_of(out: Path, exact: int) -> dict[str, Any]:
+    """The throughput figures of a job: per mode, times and GiB/s; and the suite it used."""
+    done = json.loads((out / "throughput.json").read_text())
     times: dict[str, list[float]] = {}
     stages: dict[str, list[float]] = {}
-    for row in rows:  # a mode's time: its slower direction's
+    for row in done["rows"]:  # a mode's time: its slower direction's
         times.setdefault(row["mode"], []).append(max(row["seconds"].values()))
         stages.setdefault(row["mode"], []).extend(row["stage_seconds"].values())
-    case["throughput"] = {
+    modes = {
         mode: {
             "times_s": t, "median_s": statistics.median(t),
             "gib_per_s": exact / GIB / statistics.median(t),
@@ -249,25 +274,52 @@ def replication_size(run: Run, args: argparse.Namespace, nbytes: int) -> dict[st
         }
         for mode, t in times.items()
     }  # fmt: skip
-    if restore:
-        loads = json.loads((out / "restore-node1.json").read_text())["rows"]
-        node0 = json.loads((out / "restore-node0.json").read_text())["rows"]
-        case["restore"] = {
-            source: {
-                "node1_times_s": [r["seconds"] for r in loads if r["source"] == source],
-                "node1_median_s": statistics.median(
-                    r["seconds"] for r in loads if r["source"] == source
-                ),
-                "node1_from": sorted({r["from"] for r in loads if r["source"] == source}),
-                "node0_median_s": statistics.median(
-                    r["seconds"] for r in node0 if r["source"] == source
-                ),
-                "node0_from": sorted({r["from"] for r in node0 if r["source"] == source}),
-            }
-            for source in ("peer", "disk")
+    return {"suite": done.get("suite"), "modes": modes}
+
+
+def replication_size(run: Run, args: argparse.Namespace, nbytes: int) -> dict[str, Any]:
+    """Throughput (for each protection) and with "restore", the restore (in the first
+    protection's job) for one size."""
+    exact = nbytes // 4 // args.tensors * 4 * args.tensors
+    case: dict[str, Any] = {"size": nbytes, "bytes": exact, "throughput": {}}
+    restore = "restore" in args.measure
+    protections = args.protection if "throughput" in args.measure else args.protection[:1]
+    for i, protection in enumerate(protections):
+        params = {
+            "root": str(Path(tempfile.mkdtemp(prefix="root-", dir=run.work))), "bytes": nbytes,
+            "tensors": args.tensors, "repeats": args.repeats, "restore": restore and i == 0,
+            "prefix": run.prefix, "hold_timeout": 600, "drop_caches": args.drop_caches,
+            "throughput": "throughput" in args.measure,
         }  # fmt: skip
-    shutil.rmtree(params["root"], ignore_errors=True)
+        out = run.job(
+            "replicate", params, restore=params["restore"], env=protection_env(run, protection)
+        )
+        if params["throughput"]:
+            case["throughput"][protection] = throughput_of(out, exact)
+        if params["restore"]:
+            case["restore"] = restore_of(out)
+        shutil.rmtree(params["root"], ignore_errors=True)
     return case
+
+
+def restore_of(out: Path) -> dict[str, Any]:
+    """The restore figures of a job."""
+    loads = json.loads((out / "restore-node1.json").read_text())["rows"]
+    node0 = json.loads((out / "restore-node0.json").read_text())["rows"]
+    return {
+        source: {
+            "node1_times_s": [r["seconds"] for r in loads if r["source"] == source],
+            "node1_median_s": statistics.median(
+                r["seconds"] for r in loads if r["source"] == source
+            ),
+            "node1_from": sorted({r["from"] for r in loads if r["source"] == source}),
+            "node0_median_s": statistics.median(
+                r["seconds"] for r in node0 if r["source"] == source
+            ),
+            "node0_from": sorted({r["from"] for r in node0 if r["source"] == source}),
+        }
+        for source in ("peer", "disk")
+    }  # fmt: skip
 
 
 def training(run: Run, args: argparse.Namespace) -> dict[str, Any]:
@@ -299,22 +351,25 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     if "throughput" in args.measure:
         print(
             f"\nreplication throughput, 2 nodes x 1 rank, {args.tensors} tensors, median of "
-            f"{args.repeats} (GiB/s; raw TCP: sendfile from /dev/shm to a faulted-in buffer)"
+            f"{args.repeats} (GiB/s; raw TCP: sendfile from /dev/shm to a faulted-in buffer, "
+            "in the same job)"
         )
-        print(f"{'MiB':>6s} {'direction':10s} {'raw TCP':>8s} {'replica':>8s} "
-              f"{'replica/raw':>11s} {'goal':>6s} {'save() ms':>9s}")  # fmt: skip
+        print(f"{'MiB':>6s} {'protection':12s} {'suite':12s} {'direction':10s} {'raw TCP':>8s} "
+              f"{'replica':>8s} {'replica/raw':>11s} {'goal':>6s} {'save() ms':>9s}")  # fmt: skip
         for case in cases:
-            t = case["throughput"]
-            for way in ("one way", "both ways"):
-                raw, replica = t[f"raw {way}"], t[f"replica {way}"]
-                ratio = replica["gib_per_s"] / raw["gib_per_s"]
-                case.setdefault("ratios", {})[f"replica_over_raw_{way.replace(' ', '_')}"] = ratio
-                goal = ">=0.8" if way == "one way" else ""
-                print(
-                    f"{case['bytes'] / MIB:6.0f} {way:10s} {raw['gib_per_s']:8.2f} "
-                    f"{replica['gib_per_s']:8.2f} {ratio:11.2f} {goal:>6s} "
-                    f"{replica['stage_median_s'] * 1e3:9.1f}"
-                )
+            for protection, done in case["throughput"].items():
+                t = done["modes"]
+                for way in ("one way", "both ways"):
+                    raw, replica = t[f"raw {way}"], t[f"replica {way}"]
+                    ratio = replica["gib_per_s"] / raw["gib_per_s"]
+                    key = f"{protection}_replica_over_raw_{way.replace(' ', '_')}"
+                    case.setdefault("ratios", {})[key] = ratio
+                    goal = ">=0.8" if way == "one way" else ""
+                    print(
+                        f"{case['bytes'] / MIB:6.0f} {protection:12s} {done['suite'] or '?':12s} "
+                        f"{way:10s} {raw['gib_per_s']:8.2f} {replica['gib_per_s']:8.2f} "
+                        f"{ratio:11.2f} {goal:>6s} {replica['stage_median_s'] * 1e3:9.1f}"
+                    )
     if "restore" in args.measure:
         cold = "cold" if results["cold_measured"] else "WARM (page cache not dropped)"
         print(
@@ -356,6 +411,10 @@ def main() -> None:
     parser.add_argument(
         "--measure", nargs="+", choices=MEASUREMENTS, default=list(MEASUREMENTS),
         help="which measurements (default: all three)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--protection", nargs="+", choices=PROTECTIONS, default=list(PROTECTIONS),
+        help="how replicas are protected in the throughput jobs (default: all three)",
     )  # fmt: skip
     parser.add_argument("--steps", type=int, default=30, help="training steps a run")
     parser.add_argument("--every", type=int, nargs="+", default=[1, 5])

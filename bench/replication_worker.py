@@ -246,7 +246,8 @@ def replicate_first(params: dict[str, Any], out: Path, node: int, group: Any) ->
                 })  # fmt: skip
         link.close()
         if node == 0 and params["throughput"]:
-            write_json(out / "throughput.json", {"bytes": nbytes, "rows": rows})
+            suite = wire.suites()[0]  # what both ends choose: they share this environment
+            write_json(out / "throughput.json", {"bytes": nbytes, "rows": rows, "suite": suite})
         if not params["restore"]:
             checkpointer.close()
             dist.barrier()

@@ -141,3 +141,17 @@ def file_mode() -> int | None:
     if value & 0o600 != 0o600:
         raise ConfigError(f"PYSHMCKPT_FILE_MODE={raw!r} must let the owner read and write (6xx)")
     return value
+
+
+def replica_encrypt() -> bool:
+    """PYSHMCKPT_REPLICA_ENCRYPT: 1 to encrypt everything sent between nodes (replicas, and
+    copies fetched during a restore) with AES-256-GCM; it needs the ``encrypt`` extra
+    (``pip install 'pyshmckpt[encrypt]'``: the cryptography package). Either end asking for it
+    is enough. Default 0: every message and byte is authenticated (a MAC under a key of the
+    connection), not encrypted."""
+    raw = (os.environ.get("PYSHMCKPT_REPLICA_ENCRYPT") or "0").strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"PYSHMCKPT_REPLICA_ENCRYPT={raw!r} must be 0 or 1")

@@ -7,6 +7,12 @@ listening socket (`Server`) before the ranks exchange their options; once they a
 checkpoint, each rank that needs a copy from another node connects to the rank that offered it
 (the lowest one), authenticated by a secret drawn for this restore and shared through the
 exchange, and receives the checkpoint into a segment of its own, every entry's CRC32C checked.
+
+The server serves each fetch on a thread of its own (`wire.Listener`: connections that do not
+authenticate are bounded in number and time). A fetch names the rank and the checkpoint it
+wants; what arrives is checked to be that before anything is allocated for it, and a fetch or a
+serve gives up once nothing has moved for `_IDLE` seconds, so that one stopped peer costs the
+other ranks seconds, not the restore timeout.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from typing import Any, NamedTuple
 
 from .. import knobs
@@ -50,10 +57,10 @@ def offers(root: str | os.PathLike[str], world_size: int, rank: int) -> list[Off
     ranks = set()
     with contextlib.suppress(OSError):
         for name in (entry.name for entry in SHM_DIR.iterdir()):
-            if name.startswith(held):
-                key = name[len(held) :]
+            if name.startswith(held):  # <prefix>-held-<key>-<token>, and so for replicas
+                key = name[len(held) :].split("-", 1)[0]
             elif name.startswith(replica):
-                key = name[len(replica) :].rsplit("-", 1)[0]
+                key = name[len(replica) :].split("-", 1)[0]
             else:
                 continue
             if key in keys and keys[key] != rank:
@@ -66,86 +73,113 @@ def offers(root: str | os.PathLike[str], world_size: int, rank: int) -> list[Off
     return out
 
 
+# Seconds a fetch or a serve may go with nothing moving (its connection and handshake
+# included): a peer that stopped is given up in seconds, not at the restore timeout.
+_IDLE = 30.0
+# Fetches one rank serves at once, and connections to its port in their handshake at once.
+_SESSIONS = 32
+_PENDING = 64
+# Bytes of a fetch request, at most.
+_REQUEST_MAX = 4096
+
+
+def _server_identity(address: tuple[str, int]) -> str:
+    return wire.identity("restore", address=address)
+
+
 class Server:
-    """Serves this node's copies to the ranks that fetch them, during one restore."""
+    """Serves this node's copies to the ranks that fetch them, during one restore, each fetch
+    on a thread of its own."""
 
     def __init__(self, root: str | os.PathLike[str], address: str) -> None:
         self.root = root
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             self._sock.bind((address, 0))
-            self._sock.listen(64)
+            self._sock.listen(128)
         except OSError:
             self._sock.close()
             raise
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._lock = threading.Lock()
         self._wanted: dict[int, str] = {}
-        self._thread: threading.Thread | None = None
+        self._end = 0.0
+        self._listener: wire.Listener | None = None
 
     def serve(self, wanted: dict[int, str], secret: str, timeout: float) -> None:
         """From now on serve `wanted` (rank -> checkpoint name, each once), until `close` or
         `timeout` seconds from the first call."""
         with self._lock:
             self._wanted = dict(wanted)
-        if wanted and self._thread is None:
-            self._thread = threading.Thread(
-                target=self._serve, args=(secret, timeout), name="pyshmckpt-peer-restore",
-                daemon=True,
+            if not wanted or self._listener is not None:
+                return
+            self._end = time.monotonic() + timeout
+            self._listener = wire.Listener(
+                self._sock, secret, _server_identity(self.address), self._send,
+                name="pyshmckpt-peer-restore", pending=_PENDING, sessions=_SESSIONS,
             )  # fmt: skip
-            self._thread.start()
 
-    def _serve(self, secret: str, timeout: float) -> None:
-        deadline = wire.Deadline(timeout)
-        while True:
-            try:
-                self._sock.settimeout(deadline.left())
-                conn, _ = self._sock.accept()
-            except (OSError, ReplicationError):
-                return  # closed, or out of time
-            with conn:
-                try:
-                    if not wire.accept(conn, secret, min(10.0, deadline.left())):
-                        logger.warning("a connection that did not authenticate was refused")
-                        continue
-                    rank = int(wire.recv_message(conn).get("rank", -1))
-                    record = held_here(self.root, rank)
-                    with self._lock:
-                        name = self._wanted.pop(rank, None)
-                    if name is None or record is None or record.get("name") != name:
-                        wire.send_message(conn, {"kind": "none"})
-                        continue
-                    replicas.send(conn, record, deadline)
-                    wire.recv_message(conn)  # the fetcher's answer: it holds the bytes
-                except (OSError, PyshmckptError, ValueError, TypeError) as exc:
-                    logger.warning("serving a checkpoint to another node failed: %s", exc)
+    def _send(self, channel: wire.Channel) -> None:
+        left = self._end - time.monotonic()
+        if left <= 0:
+            return
+        deadline = wire.Deadline(left, idle=_IDLE)
+        try:
+            request = channel.recv_message(deadline, limit=_REQUEST_MAX)
+            rank, name = request.get("rank"), request.get("name")
+            wanted, record = None, None
+            if type(rank) is int:
+                with self._lock:
+                    wanted = self._wanted.pop(rank, None)
+                record = held_here(self.root, rank) if wanted is not None else None
+            if record is None or record.get("name") != wanted or name not in (None, wanted):
+                channel.send_message({"kind": "none"}, deadline)
+                return
+            replicas.send(channel, record, deadline)
+            channel.recv_message(deadline, limit=_REQUEST_MAX)  # the fetcher holds the bytes
+        except (OSError, PyshmckptError) as exc:
+            logger.warning("serving a checkpoint to %s failed: %s", channel.peer, exc)
 
     def close(self) -> None:
-        """Stop serving (the serving thread's accept returns at once)."""
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-        if self._thread is not None:
-            self._thread.join(30.0)
+        """Stop serving (fetches in progress get a moment to end)."""
+        with self._lock:
+            listener, self._listener = self._listener, None
+            self._end = 0.0
+        if listener is not None:
+            listener.close(wait=_IDLE)
+        else:
+            self._sock.close()
 
 
 def fetch(
-    address: tuple[str, int], secret: str, rank: int, timeout: float
+    address: tuple[str, int],
+    secret: str,
+    rank: int,
+    timeout: float,
+    *,
+    name: str | None = None,
+    idle: float = _IDLE,
 ) -> tuple[dict[str, Any], Segment]:
-    """Rank `rank`'s checkpoint from the rank serving at `address`, received into a new segment
-    of this node and checked (every entry's CRC32C).
+    """Rank `rank`'s checkpoint (`name`, when given) from the rank serving at `address`,
+    received into a new segment of this node and checked (every entry's CRC32C). The caller
+    owns the segment. Bounded by `timeout` seconds overall, and by `idle` seconds with nothing
+    moving (the connection and handshake included).
 
     Raises:
-        ReplicationError: the server cannot be reached, did not authenticate, broke off, or no
-            longer holds it.
+        ReplicationError: the server cannot be reached, did not authenticate, broke off, no
+            longer holds it, or sent another rank's or another checkpoint's copy, or a
+            malformed one (nothing of it is kept).
         CheckpointCorruptError: an entry's bytes do not match.
     """
-    deadline = wire.Deadline(timeout)
-    with wire.connect(address, secret, deadline) as sock:
-        wire.send_message(sock, {"kind": "fetch", "rank": rank})
-        record, segment = replicas.receive(sock, deadline)
-        with contextlib.suppress(OSError):
-            wire.send_message(sock, {"ok": True})
+    deadline = wire.Deadline(timeout, idle=idle)
+    with wire.connect(
+        address, secret, deadline.within(idle), client=wire.identity("restore-fetch", rank=rank),
+        server=_server_identity(address),
+    ) as channel:  # fmt: skip
+        channel.send_message({"kind": "fetch", "rank": rank, "name": name}, deadline)
+        record, segment = replicas.receive(channel, deadline, rank=rank, name=name)
+        with contextlib.suppress(ReplicationError):
+            channel.send_message({"ok": True}, deadline)
     return record, segment
 
 

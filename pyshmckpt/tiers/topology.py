@@ -54,12 +54,18 @@ def reserve_port(address: str) -> socket.socket:
 
 def exchange(rank: int, me: Peer, group: Any) -> tuple[list[Peer], str]:
     """Every rank's `Peer` (ordered by rank) and the job's secret (the first rank's draw), over
-    `group`."""
+    `group`. The secret travels in the process group's own traffic (clear, on most backends).
+
+    Raises:
+        ConfigError: encryption between nodes is asked for (``PYSHMCKPT_REPLICA_ENCRYPT``)
+            without the `cryptography` package (after the exchange: no rank is left waiting).
+    """
     import torch.distributed as dist
 
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (rank, me.address, me.port, wire.new_secret()), group=group)
     peers = sorted((Peer(int(r), str(a), int(p)) for r, a, p, _ in gathered), key=lambda p: p.rank)
+    wire.suites()  # fails now, not at every save
     return peers, str(gathered[0][3])
 
 
