@@ -14,6 +14,7 @@
 #include "errors.h"
 #include "file_reader.h"
 #include "cuda_driver.h"
+#include "page_populate.h"
 #include "pinning.h"
 #include "segment.h"
 #include "thread_pool.h"
@@ -162,8 +163,11 @@ mapping, writable and zero-copy; the mapping stays valid while any exported view
             return std::make_unique<Segment>(Segment::create(size, prefix, populate));
           },
           py::arg("size"), py::arg("prefix") = "pyshmckpt", py::arg("populate") = true,
-          "Create a 0600 segment with `size` data bytes (rounded up to pages), every page allocated\n"
-          "(with populate=False only the header's: fault the rest in with `populate`).")
+          "Create a 0600 segment with `size` data bytes (rounded up to pages), every page reserved\n"
+          "(fallocate) and mapped (with populate=False only the header's: fill the rest through\n"
+          "the file, or with `allocate_pages` or `populate`). The open segment holds a shared\n"
+          "flock, which keeps stale-segment collection from it. A full /dev/shm raises\n"
+          "OSError(ENOSPC).")
       .def_static(
           "attach",
           [](const std::string& name, std::size_t size, const py::bytes& token, bool map_pages) {
@@ -173,7 +177,9 @@ mapping, writable and zero-copy; the mapping stays valid while any exported view
           },
           py::arg("name"), py::arg("size"), py::arg("token"), py::arg("map_pages") = true,
           "Map an existing segment after checking owner, permissions, size, header and token\n"
-          "(every page at once; with map_pages=False on first access or by map_pages_for_reading).")
+          "(every page at once; with map_pages=False on first access or by map_pages_for_reading).\n"
+          "The open segment holds a shared flock, as a created one does; a segment removed as\n"
+          "stale meanwhile raises OSError(ENOENT).")
       .def(
           "allocate_pages",
           [](Segment& self, std::size_t offset, std::size_t nbytes) {
@@ -184,6 +190,17 @@ mapping, writable and zero-copy; the mapping stays valid while any exported view
           py::arg("offset"), py::arg("nbytes"),
           "Allocate (fallocate) and map for writing the pages of bytes [offset, offset + nbytes) of\n"
           "the mapping; safe while other threads write them; a full /dev/shm raises OSError(ENOSPC).")
+      .def(
+          "populate",
+          [](Segment& self, std::size_t offset, std::size_t nbytes) {
+            MappingUse use(self);
+            py::gil_scoped_release release;
+            self.populate(offset, nbytes);
+          },
+          py::arg("offset"), py::arg("nbytes"),
+          "Reserve (fallocate) and map for writing the pages of bytes [offset, offset + nbytes) of\n"
+          "the mapping, in parallel; where the kernel cannot map them each page is touched, so\n"
+          "nobody may write them meanwhile. A full /dev/shm raises OSError(ENOSPC), never SIGBUS.")
       .def(
           "map_pages_for_reading",
           [](Segment& self, std::size_t nbytes) {
@@ -418,6 +435,24 @@ another entry's, that the caller keeps alive and leaves alone until this returns
       R"doc(
 Fault in the pages of a shared mapping in parallel so later accesses take no page faults.
 SAFETY: `address` must point into a live writable shared mapping of at least `nbytes` bytes
-(for example a torch shared storage); the caller keeps its owner alive until this returns.
+(for example a torch shared storage); the caller keeps its owner alive until this returns, and
+has reserved its pages in the file (fallocate): where the kernel lacks MADV_POPULATE_WRITE each
+page is touched, and a page a full file system cannot hold is a SIGBUS. A segment's own pages:
+Segment.populate, which reserves them first.
 )doc");
+  m.def(
+      "_force_populate_fallback", &force_populate_fallback, py::arg("forced"),
+      "For tests: with forced=True, act as on kernels without MADV_POPULATE_READ/_WRITE (pages\n"
+      "touched one by one) in this process until called with False.");
+  m.def("_populate_fallback_forced", &populate_fallback_forced,
+        "For tests: whether _force_populate_fallback(True) is in effect.");
+  m.def(
+      "_set_lock_delay",
+      [](double seconds) {
+        if (!(seconds >= 0 && seconds <= 60)) throw ArgumentError("lock delay must be in [0, 60] s");
+        set_lock_delay(seconds);
+      },
+      py::arg("seconds"),
+      "For tests: wait `seconds` between opening a segment and locking it in Segment.create and\n"
+      "Segment.attach in this process (0: never), so that a collector can run in between.");
 }

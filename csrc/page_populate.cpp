@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 
@@ -17,8 +18,11 @@
 namespace pyshmckpt {
 namespace {
 
+std::atomic<bool> fallback_forced{false};
+
 bool populate(void* start, std::size_t nbytes, int advice, const char* call,
               const std::string& name) {
+  if (fallback_forced.load(std::memory_order_relaxed)) return false;
   int rc;
   do {
     rc = madvise(start, nbytes, advice);
@@ -34,6 +38,12 @@ bool populate(void* start, std::size_t nbytes, int advice, const char* call,
 }
 
 }  // namespace
+
+void force_populate_fallback(bool forced) noexcept {
+  fallback_forced.store(forced, std::memory_order_relaxed);
+}
+
+bool populate_fallback_forced() noexcept { return fallback_forced.load(std::memory_order_relaxed); }
 
 bool populate_for_writing(void* start, std::size_t nbytes, const std::string& name) {
   return populate(start, nbytes, MADV_POPULATE_WRITE, "madvise(MADV_POPULATE_WRITE)", name);

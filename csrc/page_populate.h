@@ -16,4 +16,9 @@ bool populate_for_writing(void* start, std::size_t nbytes, const std::string& na
 // The same with MADV_POPULATE_READ: maps the pages for reading.
 bool populate_for_reading(void* start, std::size_t nbytes, const std::string& name);
 
+// For tests: with `forced`, both functions above return false at once, as on kernels before 5.14,
+// so that the paths that touch pages one by one run on any kernel. Process-wide.
+void force_populate_fallback(bool forced) noexcept;
+bool populate_fallback_forced() noexcept;
+
 }  // namespace pyshmckpt

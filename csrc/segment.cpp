@@ -1,6 +1,7 @@
 #include "segment.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
@@ -11,12 +12,14 @@
 #include <atomic>
 #include <cctype>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <fstream>
 #include <mutex>
 #include <sstream>
+#include <thread>
 
 #include "errors.h"
 #include "page_populate.h"
@@ -63,6 +66,66 @@ std::string to_hex(const std::uint8_t* data, std::size_t n) {
   return out;
 }
 
+// Where glibc's shm_open puts names: checked against the open descriptor after locking.
+constexpr char kShmDir[] = "/dev/shm/";
+// A collector holds LOCK_EX only from its open to its unlink and close (microseconds); a lock
+// still refused after this long is someone else's bug, reported rather than waited out.
+constexpr auto kLockWait = std::chrono::seconds(5);
+constexpr int kCollectedRetries = 8;
+
+std::atomic<double> lock_delay_s{0.0};
+
+// flock(LOCK_SH) on the segment's descriptor, held until it is closed: while any process holds it,
+// no collector can take LOCK_EX, so none removes the segment. A refusal means a collector holds
+// LOCK_EX right now (it may be removing the name): wait for it, bounded, and let the caller check
+// whether the name survived.
+void lock_shared(int fd, const std::string& name) {
+  const double delay = lock_delay_s.load(std::memory_order_relaxed);
+  if (delay > 0) std::this_thread::sleep_for(std::chrono::duration<double>(delay));
+  const auto deadline = std::chrono::steady_clock::now() + kLockWait;
+  auto pause = std::chrono::microseconds(50);
+  while (::flock(fd, LOCK_SH | LOCK_NB) != 0) {
+    const int err = errno;
+    if (err == EINTR) continue;
+    if (err != EWOULDBLOCK) throw_errno("flock(LOCK_SH)", name, err);
+    if (std::chrono::steady_clock::now() >= deadline) {
+      throw_errno("flock(LOCK_SH)", name, err,
+                  "another process has held the segment exclusively for over 5 s");
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(10000));
+  }
+}
+
+// Whether /dev/shm/<name> still is the file open as `fd` (a collector may have unlinked the name
+// between our shm_open and our lock).
+bool still_named(int fd, const std::string& name) {
+  struct stat open_file;
+  struct stat named;
+  if (fstat(fd, &open_file) != 0) throw_errno("fstat", name);
+  if (lstat((kShmDir + name).c_str(), &named) != 0) {
+    if (errno == ENOENT) return false;
+    throw_errno("lstat", name);
+  }
+  return open_file.st_dev == named.st_dev && open_file.st_ino == named.st_ino;
+}
+
+// fallocate(fd, 0, offset, nbytes), retried on EINTR; ENOSPC with a clear message.
+void reserve(int fd, std::uint64_t offset, std::size_t nbytes, const std::string& name) {
+  if (nbytes == 0) return;
+  int rc;
+  do {
+    rc = ::fallocate(fd, 0, static_cast<off_t>(offset), static_cast<off_t>(nbytes));
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) {
+    const int err = errno;
+    throw_errno("fallocate", name, err,
+                err == ENOSPC
+                    ? "not enough shared memory to allocate " + std::to_string(nbytes) + " bytes"
+                    : "");
+  }
+}
+
 std::uint64_t process_start_ticks(pid_t pid) {
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
   std::string content((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
@@ -85,12 +148,20 @@ std::size_t page_size() {
   return size;
 }
 
-void populate_pages(std::uint8_t* ptr, std::size_t nbytes, const std::string& name) {
+void set_lock_delay(double seconds) noexcept {
+  lock_delay_s.store(seconds > 0 ? seconds : 0.0, std::memory_order_relaxed);
+}
+
+void populate_pages(std::uint8_t* ptr, std::size_t nbytes, const std::string& name, int fd,
+                    std::uint64_t file_offset) {
   if (nbytes == 0) return;
   const std::size_t page = page_size();
   auto begin = reinterpret_cast<std::uintptr_t>(ptr) & ~(page - 1);
   auto end = (reinterpret_cast<std::uintptr_t>(ptr) + nbytes + page - 1) & ~(page - 1);
   const std::size_t total = end - begin;
+  // The file offset of `begin` (ptr's page start maps file_offset rounded down alike).
+  const std::uint64_t file_begin =
+      file_offset - (reinterpret_cast<std::uintptr_t>(ptr) - begin);
   ThreadPool& pool = ThreadPool::instance();
   // Chunks small enough to balance across threads, large enough to amortize the syscall.
   const std::size_t wanted = (total / (4 * pool.num_threads()) + page - 1) & ~(page - 1);
@@ -104,6 +175,18 @@ void populate_pages(std::uint8_t* ptr, std::size_t nbytes, const std::string& na
     if (failed.load(std::memory_order_relaxed)) return;
     auto* start = reinterpret_cast<std::uint8_t*>(begin + i * chunk);
     std::size_t len = std::min(chunk, total - i * chunk);
+    if (fd >= 0) {
+      // Reserved before mapped: a full file system fails here instead of raising SIGBUS on a
+      // touch below. fallocate calls serialize on the inode while other pieces are mapped.
+      try {
+        reserve(fd, file_begin + i * chunk, len, name);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mutex);
+        if (!error) error = std::current_exception();
+        failed.store(true);
+        return;
+      }
+    }
     if (!fallback.load(std::memory_order_relaxed)) {
       try {
         if (populate_for_writing(start, len, name)) return;
@@ -115,7 +198,7 @@ void populate_pages(std::uint8_t* ptr, std::size_t nbytes, const std::string& na
       }
       fallback.store(true);
     }
-    // Kernels before 5.14: touch each page. The caller reserved the pages, so no SIGBUS here.
+    // Kernels before 5.14: touch each page; reserved above or by the caller, so no SIGBUS here.
     for (std::size_t off = 0; off < len; off += page) {
       volatile std::uint8_t* p = start + off;
       *p = *p;
@@ -141,15 +224,33 @@ Segment Segment::create(std::size_t size, const std::string& prefix, bool popula
 
   Segment seg;
   seg.size_ = size;
-  seg.owner_ = true;
   std::uint8_t token[kTokenSize];
-  for (int attempt = 0;; ++attempt) {
+  for (int exists = 0, collected = 0;;) {
     std::uint8_t nonce[16];
     random_bytes(nonce, sizeof nonce);
-    seg.name_ = prefix + "-" + std::to_string(getpid()) + "-" + to_hex(nonce, sizeof nonce);
-    seg.fd_ = shm_open(shm_path(seg.name_).c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (seg.fd_ >= 0) break;
-    if (errno != EEXIST || attempt >= 8) throw_errno("shm_open", seg.name_);
+    std::string name = prefix + "-" + std::to_string(getpid()) + "-" + to_hex(nonce, sizeof nonce);
+    const int fd = shm_open(shm_path(name).c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) {
+      if (errno != EEXIST || ++exists > 8) throw_errno("shm_open", name);
+      continue;
+    }
+    // Ours from here on: the destructor removes the name and closes the descriptor on failure.
+    seg.name_ = std::move(name);
+    seg.fd_ = fd;
+    seg.owner_ = true;
+    seg.closed_ = false;
+    seg.unlinked_ = false;
+    lock_shared(seg.fd_, seg.name_);
+    // A collector that opened the name before our lock took it for a dead process's and removed
+    // it: that file is no segment of anyone's; make another.
+    if (still_named(seg.fd_, seg.name_)) break;
+    seg.unlinked_ = true;  // the name is gone, and may never be unlinked again by us
+    seg.release_mapping();
+    seg.closed_ = true;
+    if (++collected > kCollectedRetries) {
+      throw_errno("shm_open", seg.name_, ENOENT,
+                  "each new segment was removed by a stale-segment collector before it was locked");
+    }
   }
   random_bytes(token, sizeof token);
 
@@ -164,11 +265,14 @@ Segment Segment::create(std::size_t size, const std::string& prefix, bool popula
                       std::to_string(avail) + " free");
     }
   }
+  // Processes creating segments at once all pass the check above: the pages are reserved
+  // (fallocate, in populate_pages) before any is touched through the mapping.
   if (ftruncate(seg.fd_, static_cast<off_t>(mapped)) != 0) throw_errno("ftruncate", seg.name_);
   void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, seg.fd_, 0);
   if (base == MAP_FAILED) throw_errno("mmap", seg.name_);
   seg.base_ = static_cast<std::uint8_t*>(base);
-  populate_pages(seg.base_, populate ? mapped : page, seg.name_);  // the header page at least
+  // The header page at least; the data pages of a lazily filled segment are left to its filler.
+  populate_pages(seg.base_, populate ? mapped : page, seg.name_, seg.fd_, 0);
 
   auto* header = reinterpret_cast<SegmentHeader*>(seg.base_);
   std::memcpy(header->magic, kSegmentMagic, sizeof header->magic);
@@ -194,6 +298,11 @@ Segment Segment::attach(const std::string& name, std::size_t size, const std::st
   }
   seg.fd_ = shm_open(shm_path(seg.name_).c_str(), O_RDWR | O_CLOEXEC, 0);
   if (seg.fd_ < 0) throw_errno("shm_open", seg.name_);
+  lock_shared(seg.fd_, seg.name_);
+  if (!still_named(seg.fd_, seg.name_)) {
+    throw_errno("shm_open", seg.name_, ENOENT,
+                "the segment was removed as stale (no process had it open) while it was attached");
+  }
   struct stat st;
   if (fstat(seg.fd_, &st) != 0) throw_errno("fstat", seg.name_);
   if (st.st_uid != geteuid()) {
@@ -231,28 +340,28 @@ Segment Segment::attach(const std::string& name, std::size_t size, const std::st
   return seg;
 }
 
-void Segment::allocate_pages(std::size_t offset, std::size_t nbytes) {
-  require_open("allocate_pages");
+std::size_t Segment::page_range_end(const char* what, std::size_t offset, std::size_t nbytes) const {
+  require_open(what);
   const std::size_t page = page_size();
   if (offset % page != 0 || offset > mapped_size()) {
-    throw ArgumentError("allocate_pages: offset " + std::to_string(offset) +
+    throw ArgumentError(std::string(what) + ": offset " + std::to_string(offset) +
                         " is not a page boundary of the mapping");
   }
-  const std::size_t end = std::min(mapped_size(), (offset + nbytes + page - 1) / page * page);
+  return std::min(mapped_size(), (offset + std::min(nbytes, mapped_size()) + page - 1) / page * page);
+}
+
+void Segment::allocate_pages(std::size_t offset, std::size_t nbytes) {
+  const std::size_t end = page_range_end("allocate_pages", offset, nbytes);
   if (end <= offset) return;
-  int rc;
-  do {
-    rc = ::fallocate(fd_, 0, static_cast<off_t>(offset), static_cast<off_t>(end - offset));
-  } while (rc != 0 && errno == EINTR);
-  if (rc != 0) {
-    const int err = errno;
-    throw_errno("fallocate", name_, err,
-                err == ENOSPC ? "not enough shared memory to allocate " +
-                                    std::to_string(end - offset) + " bytes"
-                              : "");
-  }
+  reserve(fd_, offset, end - offset, name_);
   // Allocated already: mapping the pages ahead is all this adds (nothing on kernels without it).
   populate_for_writing(base_ + offset, end - offset, name_);
+}
+
+void Segment::populate(std::size_t offset, std::size_t nbytes) {
+  const std::size_t end = page_range_end("populate", offset, nbytes);
+  if (end <= offset) return;
+  populate_pages(base_ + offset, end - offset, name_, fd_, offset);
 }
 
 void Segment::map_pages_for_reading(std::size_t nbytes) {

@@ -15,8 +15,10 @@ struct SegmentHeader {
   std::uint32_t header_size;
   std::uint64_t size;
   std::uint8_t token[16];
+  // The creator, for information only (`pyshmckpt gc` shows it): a pid means nothing in another
+  // PID namespace, so whether a segment is in use is told by its lock (see Segment), never by these.
   std::int64_t owner_pid;
-  std::uint64_t owner_start_ticks;  // field 22 of /proc/<pid>/stat: tells PID reuse apart
+  std::uint64_t owner_start_ticks;  // field 22 of /proc/<pid>/stat
 };
 
 constexpr char kSegmentMagic[16] = "PYSHMCKPT-SEG";
@@ -26,15 +28,23 @@ constexpr std::size_t kTokenSize = 16;
 
 class Segment {
  public:
+  // Every open Segment (created or attached) holds flock(LOCK_SH) on its descriptor for as long as
+  // the descriptor is open; the kernel drops it when the last process holding it dies. A segment is
+  // stale exactly when a collector can take flock(LOCK_EX | LOCK_NB) on it, whatever PID namespace
+  // its users run in (see pyshmckpt/shm/stale.py).
+  //
   // Creates a segment named "<prefix>-<pid>-<32 hex digits>" with mode 0600 and O_EXCL, holding
-  // `size` bytes after the header. Every page is allocated before this returns (in parallel), so a
-  // full /dev/shm is a SyscallError(ENOSPC) here and never a SIGBUS later.
-  // populate=false leaves the data pages to be faulted in later (see populate_pages).
+  // `size` bytes after the header, locked as above (a name a collector removed between its
+  // creation and the lock is given up for a new one). Every page is reserved in the file
+  // (fallocate) and then mapped, in parallel, before this returns, so a full /dev/shm is a
+  // SyscallError(ENOSPC) here and never a SIGBUS later, whatever the kernel.
+  // populate=false reserves and maps the header page only: the data pages are filled later
+  // through the file (pwritev) or allocate_pages/populate.
   static Segment create(std::size_t size, const std::string& prefix, bool populate = true);
-  // Maps an existing segment. Checks that the caller's uid owns it, that it is not accessible to
-  // others, that its size and header match, and that its token equals `token`. With
-  // map_pages=true every page is mapped now (MAP_POPULATE), else on first access or by
-  // map_pages_for_reading().
+  // Maps an existing segment, locked as above. Checks that the caller's uid owns it, that it is not
+  // accessible to others, that its size and header match, and that its token equals `token`; a
+  // segment that was collected meanwhile is a SyscallError(ENOENT). With map_pages=true every page
+  // is mapped now (MAP_POPULATE), else on first access or by map_pages_for_reading().
   static Segment attach(const std::string& name, std::size_t size, const std::string& token,
                         bool map_pages = true);
   // Maps the pages of an attached segment's first `nbytes` bytes (the header included; 0: all)
@@ -48,6 +58,11 @@ class Segment {
   // (MADV_POPULATE_WRITE; kernels before 5.14 map them on first access, which can no longer
   // fail). A full /dev/shm is a SyscallError(ENOSPC), never a SIGBUS.
   void allocate_pages(std::size_t offset, std::size_t nbytes);
+  // Reserves (fallocate) and maps for writing the pages of bytes [offset, offset + nbytes) of the
+  // mapping (page-aligned offset) in parallel on the thread pool; on kernels before 5.14 each page
+  // is touched (read and written back), so nobody may write those pages meanwhile (see
+  // allocate_pages for pages in use). A full /dev/shm is a SyscallError(ENOSPC), never a SIGBUS.
+  void populate(std::size_t offset, std::size_t nbytes);
 
   Segment(Segment&& other) noexcept;
   Segment& operator=(Segment&& other) noexcept;
@@ -99,6 +114,9 @@ class Segment {
   Segment() = default;
   void release_mapping() noexcept;
   void require_open(const char* what) const;
+  // The end of the pages of [offset, offset + nbytes) within the mapping; `offset` must be a page
+  // boundary of it (ArgumentError otherwise).
+  std::size_t page_range_end(const char* what, std::size_t offset, std::size_t nbytes) const;
 
   std::string name_;
   std::uint8_t* base_ = nullptr;
@@ -118,9 +136,17 @@ std::size_t page_size();
 
 // Populates page tables (and allocates pages) for [ptr, ptr + nbytes) in parallel using
 // MADV_POPULATE_WRITE, falling back to touching one byte per page where the kernel lacks it.
+// With `fd` >= 0 (the file mapped at `ptr` from its byte `file_offset`), each piece's pages are
+// reserved with fallocate first, so that a full filesystem is a SyscallError(ENOSPC) on every
+// kernel. With fd < 0 the caller must have reserved them: on kernels without MADV_POPULATE_WRITE
+// touching a page a full filesystem cannot hold raises SIGBUS.
 // SAFETY: `ptr` must point into a live, writable shared mapping of at least `nbytes` bytes that
 // nobody else is writing concurrently (the fallback writes bytes back unchanged).
-// Throws SyscallError(ENOSPC) when the backing filesystem cannot hold the pages.
-void populate_pages(std::uint8_t* ptr, std::size_t nbytes, const std::string& name);
+void populate_pages(std::uint8_t* ptr, std::size_t nbytes, const std::string& name, int fd = -1,
+                    std::uint64_t file_offset = 0);
+
+// For tests: seconds create() and attach() wait between opening a segment and locking it (0: none),
+// so that a collector can be made to run in between. Process-wide.
+void set_lock_delay(double seconds) noexcept;
 
 }  // namespace pyshmckpt

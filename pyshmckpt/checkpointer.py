@@ -38,7 +38,7 @@ from .errors import (
     os_error,
 )
 from .shm.native import Segment
-from .shm.stale import SHM_DIR, parent_pid, process_start_ticks, set_owner
+from .shm.stale import SHM_DIR, parent_pid, process_start_ticks
 from .staging import SlotStager
 from .storage import commit, liveness, shared_commit, tree_codec, writer_spec
 from .tiers import holding, loading, records, replication, topology, wire
@@ -427,7 +427,6 @@ class Checkpointer:
                 str(segment_info["name"]), int(segment_info["size"]),
                 bytes.fromhex(segment_info["token"]), map_pages=False,
             )  # fmt: skip
-            set_owner(segment.name, os.getpid())
         except (OSError, KeyError, TypeError, ValueError) as exc:
             logger.warning("cannot take over the checkpoint held in memory: %s", exc)
             with contextlib.suppress(OSError, KeyError, TypeError):

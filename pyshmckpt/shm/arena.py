@@ -42,7 +42,7 @@ from ..errors import (
 )
 from . import cuda, sharing
 from .address import SlotAddress
-from .native import CopyEvent, HostCopy, Segment, populate
+from .native import CopyEvent, HostCopy, Segment
 
 logger = logging.getLogger(__name__)
 
@@ -275,6 +275,22 @@ class Slot:
         """
         try:
             self.segment.allocate_pages(start, nbytes)
+        except OSError as exc:
+            raise from_os_error(exc, f"cannot allocate {nbytes} bytes of slot {self.name}") from exc
+
+    def populate(self, start: int, nbytes: int) -> None:
+        """Reserve and map the pages of segment bytes [start, start + nbytes) on the thread pool;
+        nobody may write into them meanwhile (see `allocate` for pages in use).
+
+        Args:
+            start: the first byte, from the segment's start (not the slot's data).
+            nbytes: how many bytes.
+
+        Raises:
+            PyshmckptOSError: the pages cannot be allocated (``/dev/shm`` full).
+        """
+        try:
+            self.segment.populate(start, nbytes)
         except OSError as exc:
             raise from_os_error(exc, f"cannot allocate {nbytes} bytes of slot {self.name}") from exc
 
@@ -542,9 +558,10 @@ class Arena:
     def _fill(self, slot: Slot, *, in_use: bool = False) -> bool:
         """Allocate and map every page of `slot`, in pieces; False if the arena closed first. A
         slot that stages may write into meanwhile (`in_use`) is allocated without a page being
-        touched; another is populated on the thread pool, which touches pages where the kernel
-        cannot map them."""
-        size, address = int(slot.segment.mapped_size), int(slot.segment.address)
+        touched; another is reserved and populated on the thread pool, which touches pages
+        where the kernel cannot map them (reserved first, so a full /dev/shm is an error, not a
+        SIGBUS)."""
+        size = int(slot.segment.mapped_size)
         for start in range(0, size, _POPULATE_PIECE):
             if self.closed:
                 return False
@@ -552,7 +569,7 @@ class Arena:
             if in_use:
                 slot.allocate(start, piece)
             else:
-                populate(address + start, piece)
+                slot.populate(start, piece)
         return True
 
     @property

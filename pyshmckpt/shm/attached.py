@@ -3,6 +3,10 @@
 `AttachedSegments` maps each segment the trainer describes (checking owner, size and token) and
 closes those it no longer describes; `SlotMapping` is one staged slot as the writer reads it.
 When the trainer dies, `unlink_all` removes every segment it was told of.
+
+An attached segment stays open until it is closed here, and an open segment is never collected as
+stale (its lock, see `stale`): after the trainer's death, what the writer keeps attached (the
+writes it finishes, the checkpoint it holds) stays, whatever other jobs start meanwhile.
 """
 
 from __future__ import annotations
@@ -10,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import os
 import threading
 from collections.abc import Iterable
 
@@ -19,7 +22,7 @@ import numpy as np
 from ..errors import PathNotFoundError, ProtocolError, from_os_error
 from .address import SlotAddress
 from .native import Segment
-from .stale import SHM_DIR, set_owner
+from .stale import SHM_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +121,20 @@ class AttachedSegments:
                 self._segments[name] = segment
                 logger.debug("attached %s (%d bytes)", name, size)
 
+    def keep(self, name: str, size: int, token: bytes) -> None:
+        """Attach segment `name` now if it is not yet (a checkpoint a new trainer took over and
+        never described to this writer), so that it stays while this process holds it.
+
+        Raises:
+            PyshmckptOSError: it cannot be attached (``PathNotFoundError``: it is gone).
+            ProtocolError: it is not as described (size, header or token).
+        """
+        self.sync([(name, size, token)], close_others=False)
+        with self._lock:
+            error = self._unattachable.get(name)
+        if error is not None:
+            raise error
+
     def note(self, names: Iterable[str]) -> None:
         """Remember segment names the trainer described without attaching them (for cleanup)."""
         with self._lock:
@@ -159,13 +176,3 @@ class AttachedSegments:
             for name in (self._known | set(self._segments)) - kept:
                 with contextlib.suppress(OSError):
                     (SHM_DIR / name).unlink()
-
-    def take_ownership(self) -> None:
-        """The trainer is gone: record this process as the owner of its attached segments, so
-        that a restarted trainer's stale-segment collection leaves them while they are
-        finished or held."""
-        with self._lock:
-            names = list(self._segments)
-        for name in names:
-            with contextlib.suppress(OSError):
-                set_owner(name, os.getpid())

@@ -1,18 +1,29 @@
-"""Find and remove segments whose owning process is gone (crash, SIGKILL, whole-node failure).
+"""Find and remove segments that no process has open any more (a crash, a SIGKILL, a whole node's
+failure).
 
-A segment's name is ``<prefix>-<owner pid>-<32 hex digits>`` and its header records the owner's
-pid and start time (in clock ticks since boot), so a segment is stale when that process no longer
-exists, or when its pid now belongs to a process that started at another time.
+Every open segment, created or attached (`Segment` in ``csrc/segment.cpp``), holds a shared
+``flock`` on its descriptor for as long as the descriptor is open, and the kernel drops it when
+the last process holding it dies. A segment is stale exactly when a collector can take the lock
+exclusively: that proof holds across PID namespaces sharing ``/dev/shm`` (containers started
+with ``--ipc=host``), where a pid in a name or header means nothing. The collector removes the
+name while it holds the exclusive lock, so nobody can have opened the segment in between; a
+creator or an attacher that opened the name before the collector locked it finds, once it holds
+its own lock, that the name is gone, and makes another segment or reports ENOENT.
+
+A segment's name is ``<prefix>-<creator pid>-<32 hex digits>`` and its header records the
+creator's pid and start time: shown for information (``pyshmckpt gc``), never judged by.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 
 from .. import knobs
 
@@ -23,15 +34,13 @@ _MAGIC = b"PYSHMCKPT-SEG\x00\x00\x00"
 # SegmentHeader in csrc/segment.h: magic[16], version u32, header_size u32, size u64, token[16],
 # owner_pid i64, owner_start_ticks u64.
 _HEADER = struct.Struct("<16sIIQ16sqQ")
-_OWNER = struct.Struct("<qQ")  # owner_pid, owner_start_ticks
-_OWNER_OFFSET = _HEADER.size - _OWNER.size
 
 
 @dataclass(frozen=True)
 class SegmentInfo:
-    """One pyshmckpt segment in ``/dev/shm``: its name, its owner process (pid and start time in
-    clock ticks since boot), its size in bytes, and whether it is stale (its owner is gone) and
-    why."""
+    """One pyshmckpt segment in ``/dev/shm``: its name, its creator (pid and start time in clock
+    ticks since boot, as its header or name records them: for information only), its size in
+    bytes, and whether it is stale (no process has it open) and why."""
 
     name: str
     owner_pid: int
@@ -43,7 +52,7 @@ class SegmentInfo:
 
 @dataclass(frozen=True)
 class SegmentHeader:
-    """The fields of a segment's header that identify it and its owner."""
+    """The fields of a segment's header that identify it and its creator."""
 
     header_size: int
     size: int
@@ -58,22 +67,6 @@ def read_header(raw: bytes) -> SegmentHeader | None:
         return None
     _, _, header_size, size, token, pid, ticks = _HEADER.unpack(raw[: _HEADER.size])
     return SegmentHeader(header_size, size, token, pid, ticks)
-
-
-def set_owner(name: str, pid: int) -> None:
-    """Record process `pid` (alive) as the owner of segment `name`, so that stale-segment
-    collection leaves it alone while that process lives (a writer holding a dead trainer's
-    segment, a new trainer taking a held one over).
-
-    Raises:
-        OSError: the segment cannot be opened or written.
-    """
-    ticks = process_start_ticks(pid) or 0
-    fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    try:
-        os.pwrite(fd, _OWNER.pack(pid, ticks), _OWNER_OFFSET)
-    finally:
-        os.close(fd)
 
 
 def parent_pid(pid: int) -> int | None:
@@ -96,59 +89,89 @@ def process_start_ticks(pid: int) -> int | None:
 
 
 def inspect_segment(name: str) -> SegmentInfo | None:
-    """Owner and staleness of one of our segments, or None if `name` is not one of ours."""
+    """Creator and staleness of one of our segments, or None if `name` is not one of ours (not
+    this user's, not a regular file, or gone). Judged by its lock (see the module); a stale
+    segment is left in place."""
+    return _examine(name, remove=False)
+
+
+def _examine(name: str, *, remove: bool) -> SegmentInfo | None:
+    """Judge segment `name` by its lock and, with `remove`, unlink it if stale while the
+    exclusive lock is held (so that nobody can have opened it in between). None: not one of
+    ours, removed by someone else first, or not to be judged (an error, logged: left alone)."""
     match = _NAME.match(name)
     if match is None:
         return None
     path = SHM_DIR / name
     try:
-        st = path.stat()
-        if st.st_uid != os.geteuid():
-            return None
-        with path.open("rb") as f:
-            raw = f.read(_HEADER.size)
-    except (FileNotFoundError, PermissionError):
+        # O_NOFOLLOW: a symlink planted under our prefix is never followed; O_NONBLOCK: nor a FIFO
+        # waited on.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
         return None
-    pid = int(match["pid"])
-    if len(raw) < _HEADER.size or not raw.startswith(_MAGIC[:13]):
-        # Created but never initialised (the owner died while allocating): judge by the name.
-        alive = process_start_ticks(pid) is not None
-        return SegmentInfo(name, pid, 0, st.st_size, not alive, "no header; owner " + (
-            "alive" if alive else "gone"))  # fmt: skip
-    _, _, _, size, _, owner_pid, start_ticks = _HEADER.unpack(raw)
-    current = process_start_ticks(owner_pid)
-    if current is None:
-        return SegmentInfo(name, owner_pid, start_ticks, size, True, "owner process is gone")
-    if start_ticks and current != start_ticks:
-        return SegmentInfo(name, owner_pid, start_ticks, size, True, "owner pid was reused")
-    return SegmentInfo(name, owner_pid, start_ticks, size, False, "owner is alive")
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or not S_ISREG(st.st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            stale = True
+        except BlockingIOError:  # a live process holds its shared lock
+            stale = False
+        info = _describe(name, int(match["pid"]), os.pread(fd, _HEADER.size, 0), st.st_size, stale)
+        if stale and remove:
+            named = path.lstat()
+            if (named.st_dev, named.st_ino) != (st.st_dev, st.st_ino):
+                return None  # removed, and the name taken again, by someone else
+            path.unlink()
+        return info
+    except FileNotFoundError:
+        return None  # another collector removed it first
+    except OSError as exc:
+        logger.warning("cannot judge segment %s, leaving it: %s", name, exc)
+        return None
+    finally:
+        os.close(fd)  # drops our lock
+
+
+def _describe(name: str, name_pid: int, raw: bytes, file_size: int, stale: bool) -> SegmentInfo:
+    header = read_header(raw)
+    if header is None:  # created, not yet initialised (or its creator died while allocating)
+        reason = "no header; " + ("no process has it open" if stale else "being created")
+        return SegmentInfo(name, name_pid, 0, file_size, stale, reason)
+    reason = "no process has it open" if stale else "open in a live process"
+    return SegmentInfo(name, header.owner_pid, header.owner_start_ticks, header.size, stale, reason)
 
 
 def list_segments(prefix: str | None = None) -> list[SegmentInfo]:
-    """Our segments in /dev/shm whose name starts with `prefix` (default: the configured one)."""
+    """Our segments in /dev/shm whose name starts with `prefix` (default: the configured one),
+    each judged by its lock (see `inspect_segment`)."""
     prefix = knobs.segment_prefix() if prefix is None else prefix
     out: list[SegmentInfo] = []
-    try:
-        names = sorted(p.name for p in SHM_DIR.iterdir())
-    except FileNotFoundError:
-        return out
-    for name in names:
-        if not name.startswith(prefix + "-"):
-            continue
+    for name in _names(prefix):
         info = inspect_segment(name)
         if info is not None:
             out.append(info)
     return out
 
 
+def _names(prefix: str) -> list[str]:
+    try:
+        return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix + "-"))
+    except FileNotFoundError:
+        return []
+
+
 def collect_stale_segments(
     prefix: str | None = None, *, dry_run: bool = False
 ) -> list[SegmentInfo]:
-    """Unlink this user's pyshmckpt segments whose owner process is gone (a crash, a SIGKILL, a
-    lost node's leftovers after a reboot of the container).
+    """Unlink this user's pyshmckpt segments that no process has open (their creator and every
+    process that attached them are gone: a crash, a SIGKILL, a lost node's leftovers after a
+    restart of the container).
 
-    A segment's name records its owner's pid and start time, so a live process's segments (and
-    those of a process that reused a dead one's pid) are never touched. `pyshmckpt gc` runs this.
+    Each segment is judged by its lock (see the module), which holds across PID namespaces: a
+    segment open in any live process, in this container or another sharing ``/dev/shm``, is
+    never touched. Every writer runs this at start; `pyshmckpt gc` runs it.
 
     Args:
         prefix: segment name prefix (None: ``PYSHMCKPT_SEGMENT_PREFIX``, default "pyshmckpt").
@@ -160,17 +183,16 @@ def collect_stale_segments(
     Raises:
         ConfigError: ``PYSHMCKPT_SEGMENT_PREFIX`` contains "/".
     """
+    prefix = knobs.segment_prefix() if prefix is None else prefix
     removed = []
-    for info in list_segments(prefix):
-        if not info.stale:
+    for name in _names(prefix):
+        info = _examine(name, remove=not dry_run)
+        if info is None or not info.stale:
             continue
         if not dry_run:
-            try:
-                (SHM_DIR / info.name).unlink()
-            except FileNotFoundError:
-                continue  # someone else collected it first
             logger.info(
-                "removed stale segment %s (%s, owner %d)", info.name, info.reason, info.owner_pid
-            )
+                "removed stale segment %s (%s, created by pid %d)",
+                info.name, info.reason, info.owner_pid,
+            )  # fmt: skip
         removed.append(info)
     return removed

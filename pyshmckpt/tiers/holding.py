@@ -4,8 +4,8 @@ trainer's death, until a new trainer takes it, a timeout, the end of the job, or
 Each save a `Checkpointer` hands over carries a `HoldInfo`; the writer remembers the newest
 (`Holder.note`), or the one a new trainer took over (`Holder.adopt`). When the trainer dies, the
 writer finishes what it was handed (as always), then, instead of removing every segment, keeps
-the newest checkpoint's segment, records itself as its owner (so that stale-segment collection
-leaves it), publishes its hold record (`records.publish`) and waits. The hold ends when:
+the newest checkpoint's segment (its open mapping keeps it from being collected as stale),
+publishes its hold record (`records.publish`) and waits. The hold ends when:
 
 - a new trainer claims the record (it renames it away): the segment is the new trainer's now;
 - the hold timeout passes, the launcher whose end ends the job (torchrun's elastic agent) is
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..shm import AttachedSegments, SlotAddress
-from ..shm.stale import process_start_ticks, set_owner
+from ..shm.stale import process_start_ticks
 from . import records
 from .records import HoldInfo
 
@@ -103,7 +103,10 @@ class Holder:
             if info is not None:
                 timeout, agent = info.timeout, info.agent
                 name = str(record["segment"]["name"])
-                set_owner(name, os.getpid())
+                # Open while held: an open segment is never collected as stale (a taken-over one
+                # was never described to this writer).
+                segment = record["segment"]
+                attached.keep(name, int(segment["size"]), bytes.fromhex(segment["token"]))
                 attached.note(self._others)
                 attached.unlink_all(keep={name})
                 held.append((records.publish(record, os.getpid(), agent, timeout), record))

@@ -135,7 +135,6 @@ class _TrainerWatch:
             self.dead.wait(_NOTICE_WAIT)
             return
         self._progress = time.monotonic()  # the orphan's idle limit counts from here
-        self.attached.take_ownership()  # before a restarted trainer collects stale segments
         logs.to_stderr()  # before `dead`: whoever acts on it logs to stderr already
         self.dead.set()
         if not self.policy.finish:
@@ -384,7 +383,6 @@ def _finish_orphaned(
             {s for r in requests if r.kind is Kind.WRITE for s in r.payload["segments"]},
             close_others=False,  # the newest checkpoint may be in one the trainer retired
         )
-        attached.take_ownership()
     failed = 0
     for request in requests:
         watch.busy(True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import hashlib
 import mmap
 import multiprocessing
@@ -16,6 +17,7 @@ import os
 import re
 import stat
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -661,6 +663,152 @@ def test_attach_from_a_spawned_child():
         assert after[: -len(reply)] == data[: -len(reply)]
         assert shm_file(seg).exists()
     assert not shm_file(seg).exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# Liveness: every open segment holds a shared flock (stale-segment collection takes it exclusively)
+# --------------------------------------------------------------------------------------------------
+
+
+def exclusive_lock_free(name: str) -> bool:
+    """Whether a collector could take /dev/shm/<name>'s lock exclusively (no process has it open)."""
+    fd = os.open(SHM / name, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def test_created_and_attached_segments_hold_a_shared_lock_while_their_descriptor_is_open():
+    owner = _C.Segment.create(PAGE)
+    name = owner.name
+    other = None
+    try:
+        assert not exclusive_lock_free(name)
+        fd = os.open(SHM / name, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # shared: every user holds it at once
+        finally:
+            os.close(fd)
+        other = _C.Segment.attach(name, owner.size, owner.token)
+        owner.disown()
+        owner.close()  # the name stays (disowned); the attached segment still holds the lock
+        assert not exclusive_lock_free(name)
+        view = memoryview(other)
+        other.close()
+        assert not exclusive_lock_free(name)  # its descriptor lives while the view does
+        view.release()
+        assert exclusive_lock_free(name)
+    finally:
+        owner.close()
+        if other is not None:
+            other.close()
+        shm_file(name).unlink(missing_ok=True)
+
+
+def test_attach_waits_for_a_collector_that_leaves_the_segment_in_place():
+    # A dry run (or `inspect`) takes the lock exclusively for a moment without removing the name:
+    # attaching meanwhile waits for it, bounded, and succeeds.
+    with _C.Segment.create(PAGE) as owner:
+        owner_fd = owner.fd
+        name = owner.name
+        # Only the owner holds it: drop its lock to let a "collector" in, as if it had died.
+        fcntl.flock(owner_fd, fcntl.LOCK_UN)
+        probe = os.open(SHM / name, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            attached: list[Any] = []
+            attacher = threading.Thread(
+                target=lambda: attached.append(_C.Segment.attach(name, owner.size, owner.token))
+            )
+            attacher.start()
+            attacher.join(0.2)
+            assert attacher.is_alive()  # waiting for the exclusive lock to go
+        finally:
+            os.close(probe)
+        attacher.join(CHILD_TIMEOUT)
+        (other,) = attached
+        with other:
+            assert not exclusive_lock_free(name)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reserving pages before they are touched (fallocate), and the path of kernels before 5.14
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_lazily_filled_segment_reserves_its_header_page_alone():
+    # Its data pages are filled through the file (pwritev), which allocates them as it writes:
+    # reserving them at creation would cost the first save a pass over its memory.
+    with _C.Segment.create(16 * MIB, populate=False) as seg:
+        assert shm_file(seg).stat().st_blocks * 512 <= 2 * MIB  # a page (a huge page at most)
+        header = contents(seg)[: struct.calcsize(HEADER_FORMAT)]
+        assert header.startswith(MAGIC)
+
+
+def test_populate_reserves_and_maps_every_page_and_keeps_what_was_written(source):
+    with _C.Segment.create(16 * MIB, populate=False) as seg:
+        seg.write_from_host(rows((source.ctypes.data, seg.data_offset, 3 * PAGE + 5)))
+        seg.populate(0, seg.mapped_size)
+        assert shm_file(seg).stat().st_blocks * 512 >= seg.mapped_size
+        assert resident_bytes(seg.address) == seg.mapped_size
+        data = contents(seg)[seg.data_offset : seg.data_offset + 4 * PAGE]
+        assert data == source.tobytes()[: 3 * PAGE + 5] + bytes(PAGE - 5)
+        seg.populate(seg.mapped_size - PAGE, 1 << 62)  # clipped at the end of the mapping
+        with pytest.raises(ValueError, match="page boundary"):
+            seg.populate(PAGE + 1, PAGE)
+    with pytest.raises(ValueError, match="closed"):
+        seg.populate(0, PAGE)
+
+
+def test_the_populate_fallback_is_forced_only_when_asked():
+    assert not _C._populate_fallback_forced()
+
+
+# Runs in a spawned child (the fallback, once met, is remembered by the copy engine for the life of
+# the process): no asserts, results go back through `conn`.
+def _child_fallback(conn: Any) -> None:
+    result: dict[str, Any] = {}
+    try:
+        _C._force_populate_fallback(True)
+        result["forced"] = _C._populate_fallback_forced()
+        with _C.Segment.create(8 * MIB) as seg:
+            result["eager_reserved"] = shm_file(seg).stat().st_blocks * 512 >= seg.mapped_size
+            result["eager_mapped"] = resident_bytes(seg.address) == seg.mapped_size
+        data = np.random.default_rng(7).integers(0, 256, 40 * MIB, dtype=np.uint8)
+        with _C.Segment.create(data.nbytes, populate=False) as seg:
+            # A batch large enough to be shared with the mapping's helper thread, which cannot
+            # map pages here and leaves them to the file.
+            result["helper_filled"] = seg.write_from_host(
+                rows((data.ctypes.data, seg.data_offset, data.nbytes))
+            )
+            seg.populate(0, seg.mapped_size)  # touches each page: reads and writes it back
+            seg.allocate_pages(0, seg.mapped_size)
+            with _C.Segment.attach(seg.name, seg.size, seg.token, map_pages=False) as other:
+                other.map_pages_for_reading()
+                result["same"] = contents(other)[other.data_offset :] == data.tobytes()
+        _C._force_populate_fallback(False)
+        result["unforced"] = not _C._populate_fallback_forced()
+    except BaseException as exc:  # report anything to the parent
+        result["error"] = repr(exc)
+    conn.send(result)
+    conn.close()
+
+
+def test_the_forced_fallback_touches_reserved_pages_one_by_one():
+    result = run_in_child(_child_fallback)
+    assert "error" not in result, result.get("error")
+    assert result == {
+        "forced": True,
+        "eager_reserved": True,
+        "eager_mapped": True,
+        "helper_filled": 0,
+        "same": True,
+        "unforced": True,
+    }
 
 
 # --------------------------------------------------------------------------------------------------
