@@ -8,7 +8,6 @@ checkpoint directory (across ranks too).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import errno
 import itertools
@@ -38,10 +37,10 @@ from .errors import (
     os_error,
 )
 from .shm.native import Segment
-from .shm.stale import SHM_DIR, parent_pid, process_start_ticks
+from .shm.stale import parent_pid, process_start_ticks
 from .staging import SlotStager
 from .storage import commit, liveness, shared_commit, tree_codec, writer_spec
-from .tiers import holding, loading, records, replication, topology, wire
+from .tiers import holding, loading, records, replication, restore, topology, wire
 from .tiers.records import HoldInfo
 from .tiers.replication import ReplicaConfig
 from .transport import CheckpointProcess, CheckpointProcessConfig, RankInfo, no_init
@@ -391,7 +390,7 @@ class Checkpointer:
             buddy=(buddy.address, buddy.port) if buddy is not None else None,
             buddy_rank=buddy.rank if buddy is not None else None,
             secret=secret, timeout=knobs.replica_timeout(), hold_timeout=self._hold_timeout,
-            agent=self._agent,
+            agent=self._agent, stall_timeout=self._process._config.write_stall_timeout_secs,
         )  # fmt: skip
         # Listening before the first save: another node's first replica may come sooner.
         self._process.call(replication.listen, config=config).result(
@@ -408,31 +407,31 @@ class Checkpointer:
 
     def _claim_held(self, capacity_bytes: int | None) -> tuple[dict[str, Any], Segment] | None:
         """Take the checkpoint held in memory for this root and rank away from the writer that
-        holds it, if its segment can serve as a slot: (record, attached segment), or None."""
-        record = records.find(self.root, self.rank)
-        if record is None:
+        holds it, if its segment can serve as a slot: (record, attached segment), or None. A
+        writer still finishing its dead trainer's saves is waited for first (bounded): what it
+        will hold may be newer."""
+        records.wait_for_holders(self.root, self.rank, restore.orphan_wait(self.world_size > 1))
+        found = records.newest(self.root, self.rank)
+        if found is None:
             return None
+        path, record = found
         try:
-            size = int(record["segment"]["size"])
+            info = record["segment"]
+            name, size, token = str(info["name"]), int(info["size"]), bytes.fromhex(info["token"])
         except (KeyError, TypeError, ValueError):
             return None
         if capacity_bytes is not None and size < capacity_bytes:
             return None  # too small a slot: left to its holder (still loadable, until it ends)
-        record = records.claim(self.root, self.rank)
-        if record is None:
-            return None
-        segment_info = record["segment"]
-        try:
-            segment = Segment.attach(
-                str(segment_info["name"]), int(segment_info["size"]),
-                bytes.fromhex(segment_info["token"]), map_pages=False,
-            )  # fmt: skip
-        except (OSError, KeyError, TypeError, ValueError) as exc:
+        try:  # attached before it is claimed: from then on it is never collected as stale
+            segment = Segment.attach(name, size, token, map_pages=False)
+        except (OSError, ValueError) as exc:
             logger.warning("cannot take over the checkpoint held in memory: %s", exc)
-            with contextlib.suppress(OSError, KeyError, TypeError):
-                (SHM_DIR / str(segment_info["name"])).unlink()
             return None
-        return record, segment
+        claimed = records.claim(path)
+        if claimed is None or claimed.get("segment", {}).get("name") != name:
+            segment.close()  # another trainer took it first (attached only: the name stays)
+            return None
+        return claimed, segment
 
     def _adopt(self, record: dict[str, Any], segment: Segment) -> None:
         """Make a claimed segment the first slot, held; tell the writer it is the newest."""
@@ -446,6 +445,8 @@ class Checkpointer:
         records.keep_taken(record)
         info = self._hold_info(str(record.get("name", "")), int(record.get("staged_ns", 0)), False)
         others = [other.name for other in slot.arena.slots if other is not slot]
+        # Kept alive by the writer from now on, should this process die before it saves.
+        self._process.hand_over(self._stager.descriptors())
         self._process.call(holding.adopt, record=record, info=info, segments=others)
         logger.info(
             "took over checkpoint %s held in memory (slot %s)", record.get("name"), slot.name

@@ -268,6 +268,16 @@ class ReplicationError(PyshmckptError, ConnectionError):
     """
 
 
+class RestoreError(PyshmckptError, RuntimeError):
+    """Raised by a collective restore (``pyshmckpt.load`` of a root, ``Checkpointer.load``, with
+    torch.distributed initialized on several ranks) when the ranks could not agree on one
+    checkpoint: a rank failed, left, or did not load the root within
+    ``PYSHMCKPT_RESTORE_TIMEOUT``. No rank restored anything then.
+
+    Derives from `PyshmckptError` and `RuntimeError`.
+    """
+
+
 class WriterStartError(PyshmckptError, RuntimeError):
     """Raised when the writer process cannot be started: its init function or writer factory
     raised (the message carries the writer's traceback), or it exited while initializing.

@@ -108,6 +108,14 @@ def restore_timeout() -> float:
     return _env_float("PYSHMCKPT_RESTORE_TIMEOUT", 300.0, 1.0)
 
 
+def orphan_wait() -> float:
+    """PYSHMCKPT_ORPHAN_WAIT: seconds a restore of a root waits for a writer whose trainer died
+    and that is still finishing the saves it was handed (the checkpoint it will hold may be the
+    newest), before choosing without it (default 120; with several ranks at most half of
+    ``PYSHMCKPT_RESTORE_TIMEOUT``)."""
+    return _env_float("PYSHMCKPT_ORPHAN_WAIT", 120.0, 0.0)
+
+
 def replica_timeout() -> float:
     """PYSHMCKPT_REPLICA_TIMEOUT: seconds one checkpoint's replication to its buddy node may take,
     its connection included (default 120: a buddy's writer that starts later is waited for)."""

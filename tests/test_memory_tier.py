@@ -154,12 +154,13 @@ OTHER_USER = textwrap.dedent(
     import pyshmckpt
     from pyshmckpt.tiers import records
 
-    root, record, prefix = sys.argv[1:4]
+    root, prefix = sys.argv[1:3]
     deadline = time.monotonic() + 300
-    while not os.path.exists(record):  # the trainer is still saving
+    while not records.record_paths(root, 0):  # the trainer is still saving (names: visible)
         if time.monotonic() > deadline:
             sys.exit("no hold record appeared")
         time.sleep(0.05)
+    time.sleep(0.5)  # the writer's pending record is replaced by the whole one
     out = {"uid": os.getuid(), "opened": {}}
     for name in sorted(os.listdir("/dev/shm")):
         if name.startswith(prefix + "-"):
@@ -168,7 +169,7 @@ OTHER_USER = textwrap.dedent(
                     out["opened"][name] = f"read {len(f.read())} bytes"
             except OSError as exc:
                 out["opened"][name] = type(exc).__name__
-    out["record_path"] = str(records.record_path(root, 0))
+    out["record_paths"] = [str(p) for p in records.record_paths(root, 0)]
     out["found"] = records.find(root, 0) is not None
     out["holds"] = len(records.holds())
     try:
@@ -244,7 +245,9 @@ SMALL_SHM = textwrap.dedent(
             for name in files():
                 if "-held-" in name and not name.endswith((".tmp", ".claimed", ".released")):
                     with open("/dev/shm/" + name) as f:
-                        return json.load(f)
+                        found = json.load(f)
+                    if not found.get("pending"):  # its writer has finished the trainer's saves
+                        return found
             time.sleep(0.05)
         raise SystemExit("no hold record appeared")
 
@@ -396,12 +399,10 @@ class Background:
                 shared.prefix,
                 env | {PREFIX_VARIABLE: shared.prefix, "HOME": str(directory)},
             )
-            record = records.record_path(roots["root"], 0, prefix=prefix)
             args = [
                 python,
                 str(script(directory, "other_user.py", OTHER_USER)),
                 str(roots["root"]),
-                str(record),
                 prefix,
             ]
         elif label == "small-shm":
@@ -494,9 +495,16 @@ small_shm_job = job_fixture("small-shm")
 # -- helpers ------------------------------------------------------------------------------------
 
 
+def record_path_of(root: Path, prefix: str | None = None) -> Path:
+    """The one hold record of `root` (rank 0) in /dev/shm (the prefix from the environment)."""
+    paths = records.record_paths(root, 0, prefix=prefix)
+    assert len(paths) == 1, paths
+    return paths[0]
+
+
 def record_of(root: Path) -> dict[str, Any]:
     """The hold record of `root` (rank 0), read as a file (the prefix from the environment)."""
-    return json.loads(records.record_path(root, 0).read_bytes())
+    return json.loads(record_path_of(root).read_bytes())
 
 
 def ours(prefix: str) -> set[str]:
@@ -509,7 +517,7 @@ def end_holds(prefix: str, pids: tuple[int, ...] = ()) -> None:
     grace period): the cleanup of a test that may have failed half-way."""
     pids = list(pids)
     for path, record in records.holds(prefix):
-        if records.holder_alive(record):
+        if records.holder_alive(path):
             pids.append(int(record["holder"][0]))
         records.release(path, record)
     with contextlib.suppress(AssertionError):
@@ -595,7 +603,7 @@ def test_a_new_trainer_takes_the_held_checkpoint_over_as_its_first_slot(shared_j
     shared_job.died()
     monkeypatch.setenv(PREFIX_VARIABLE, shared_job.prefix)
     root = shared_job.roots["takeover"]
-    record_path = records.record_path(root, 0)
+    record_path = record_path_of(root)
     record = record_of(root)
     segment = SHM / record["segment"]["name"]
     inode = segment.stat().st_ino
@@ -637,10 +645,7 @@ def test_gc_frees_a_held_checkpoint(gc_job, monkeypatch):
         writers, _ = job.died()
         record = record_of(root)
         assert record["holder"][0] == writers[0]
-        assert ours(job.prefix) == {
-            records.record_path(root, 0).name,
-            record["segment"]["name"],
-        }
+        assert ours(job.prefix) == {record_path_of(root).name, record["segment"]["name"]}
 
         done = subprocess.run(
             [sys.executable, "-m", "pyshmckpt", "gc"], cwd=root.parent,  # not the checkout's
@@ -671,8 +676,12 @@ def test_the_hold_ends_with_the_launcher_not_with_signals_to_the_trainers_group(
         os.killpg(trainer, signal.SIGTERM)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(trainer, signal.SIGKILL)
-        record_path = records.record_path(root, 0)
-        wait_until(record_path.exists, EXIT_TIMEOUT, "the writer to hold the checkpoint")
+        wait_until(
+            lambda: records.find(root, 0) is not None,
+            EXIT_TIMEOUT,
+            "the writer to hold the checkpoint",
+        )
+        record_path = record_path_of(root)
         record = record_of(root)
         writer = record["holder"][0]
         assert record["agent"][0] == agent.pid
@@ -726,7 +735,7 @@ def test_another_user_cannot_read_a_held_checkpoint(shared_job, other_user_job, 
     shared_job.died()
     monkeypatch.setenv(PREFIX_VARIABLE, shared_job.prefix)
     root = child.roots["root"]
-    record_path = records.record_path(root, 0)
+    record_path = record_path_of(root)
     segment = SHM / record_of(root)["segment"]["name"]
     for path in (record_path, segment):
         st = path.stat()
@@ -736,7 +745,7 @@ def test_another_user_cannot_read_a_held_checkpoint(shared_job, other_user_job, 
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.splitlines()[-1])
     assert out["uid"] == 65534
-    assert out["record_path"] == str(record_path)  # it looked where the record is
+    assert out["record_paths"] == [str(record_path)]  # it saw the record's name
     assert out["opened"][record_path.name] == "PermissionError"
     assert out["opened"][segment.name] == "PermissionError"
     # Other files of the prefix: denied too, or gone meanwhile (the trainer's other slots).
@@ -766,7 +775,7 @@ def test_a_save_that_does_not_fit_beside_a_held_checkpoint_fails_cleanly(small_s
     first, newcomer, second = out["first"], out["newcomer"], out["second"]
     root = job.roots["root"]
     segment = first["segment"]["name"]
-    record = records.record_path(root, 0, prefix=job.prefix).name
+    record = next(n for n in out["files_held"] if "-held-" in n)
     assert first["name"] == "step-2"
     assert out["files_held"] == sorted([segment, record])
     assert newcomer["first_slot"] == segment  # taken over
@@ -780,8 +789,9 @@ def test_a_save_that_does_not_fit_beside_a_held_checkpoint_fails_cleanly(small_s
     assert second["name"] == "step-2"
     assert second["segment"]["name"] == segment
     assert second["holder"][0] == newcomer["writer"]  # the newcomer's writer holds it now
-    assert {segment, record} <= set(out["files_held_again"])
-    assert not {segment, record} & set(out["files_after_sigterm"])  # SIGTERM ended the hold
+    again = next(n for n in out["files_held_again"] if "-held-" in n)  # its own record now
+    assert {segment, again} <= set(out["files_held_again"])
+    assert not {segment, again} & set(out["files_after_sigterm"])  # SIGTERM ended the hold
     assert visible(root) == ["step-1"]
 
 
@@ -800,6 +810,6 @@ def test_a_trainer_that_took_a_hold_over_and_died_before_saving_leaves_no_slot_b
     out = json.loads(done.stdout.splitlines()[-1])
     if "skip" in out:
         pytest.skip(f"cannot mount a tmpfs over /dev/shm: {out['skip']}")
-    record = records.record_path(job.roots["root"], 0, prefix=job.prefix).name
+    record = next(n for n in out["files_held_again"] if "-held-" in n)
     assert out["files_held_again"] == sorted([out["second"]["segment"]["name"], record])
     assert out["files_after_sigterm"] == []

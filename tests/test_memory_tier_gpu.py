@@ -51,6 +51,6 @@ def test_cuda_state_restored_from_memory_into_cuda_tensors(tmp_path):
         assert target["step"] == 5
         assert not (tmp_path / "root" / "step-00000001").exists()
     finally:
-        record = records.find(tmp_path / "root", 0)
-        if record is not None:
-            records.release(records.record_path(tmp_path / "root", 0), record)
+        found = records.newest(tmp_path / "root", 0)
+        if found is not None:
+            records.release(*found)

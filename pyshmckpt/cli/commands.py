@@ -15,8 +15,14 @@ from ..shm import stale
 def _gc(args: argparse.Namespace) -> int:
     from ..tiers import records
 
-    held = records.holds(args.prefix)
-    for path, record in held:
+    for path in records.collect_stale(args.prefix, dry_run=args.dry_run):
+        print(
+            f"{'would remove' if args.dry_run else 'removed':12s} {path.name}: its holder is gone"
+        )
+    for path, record in records.holds(args.prefix):
+        if record.get("pending"):  # the writer still finishes its saves: gc again once it holds
+            print(f"{'kept':12s} {path.name}: its writer is still finishing {record.get('name')}")
+            continue
         if not args.dry_run:
             records.release(path, record)
         print(
@@ -73,17 +79,24 @@ def _print_tiers(root: str) -> bool:
 
     on_disk = [name for _, name in commit.committed(Path(root))] if Path(root).is_dir() else []
     real = os.path.realpath(root)
-    in_memory = [r for _, r in records.holds() if r.get("root") == real]
+    in_memory = [(p, r) for p, r in records.holds() if r.get("root") == real]
     for name in on_disk:
         print(f"on disk    {name}")
-    for record in sorted(in_memory, key=lambda r: (r.get("rank", 0), r.get("name", ""))):
-        alive = "alive" if records.holder_alive(record) else "gone"
+    for path, record in sorted(
+        in_memory, key=lambda pr: (pr[1].get("rank", 0), pr[1].get("name", ""))
+    ):
+        alive = "alive" if records.holder_alive(path) else "gone"
         where = "replica   " if record.get("replica") else "in memory "
         print(
             f"{where} {record.get('name')}  rank {record.get('rank')}  "
             f"{int(record.get('data_bytes', 0)) / 2**20:.1f} MiB  held by pid "
             f"{(record.get('holder') or ['?'])[0]} ({alive})"
             + ("" if record.get("persisted") else ", not on disk")
+            + (
+                ", its writer still finishing the dead trainer's saves"
+                if record.get("pending")
+                else ""
+            )
             + (", a copy of another node's rank" if record.get("replica") else "")
         )
     if on_disk or in_memory:

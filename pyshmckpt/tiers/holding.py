@@ -3,9 +3,12 @@ trainer's death, until a new trainer takes it, a timeout, the end of the job, or
 
 Each save a `Checkpointer` hands over carries a `HoldInfo`; the writer remembers the newest
 (`Holder.note`), or the one a new trainer took over (`Holder.adopt`). When the trainer dies, the
-writer finishes what it was handed (as always), then, instead of removing every segment, keeps
+writer says so at once (`Holder.announce`: a pending hold record, so that a restart that comes
+while it still finishes the writes it was handed waits for it rather than restore something
+older), finishes what it was handed (as always), then, instead of removing every segment, keeps
 the newest checkpoint's segment (its open mapping keeps it from being collected as stale),
-publishes its hold record (`records.publish`) and waits. The hold ends when:
+publishes its hold record (`records.publish`, over the pending one) and waits. The hold ends
+when:
 
 - a new trainer claims the record (it renames it away): the segment is the new trainer's now;
 - the hold timeout passes, the launcher whose end ends the job (torchrun's elastic agent) is
@@ -21,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -41,6 +45,43 @@ logger = logging.getLogger(__name__)
 _POLL = 0.2
 
 
+class Launcher:
+    """The process whose end ends the hold (torchrun's elastic agent), watched through a pidfd
+    opened while the trainer runs: its pid is checked against its start time once, when the
+    pidfd is opened, and from then on its end is the pidfd's, whatever pid reuse follows."""
+
+    def __init__(self, process: tuple[int, int]) -> None:
+        self.process = process
+        self._fd: int | None = None
+        self._gone = False
+        pid, ticks = process
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._gone = True
+            return
+        except (OSError, AttributeError):
+            return  # no pidfd here (Linux before 5.3): its start time tells instead
+        now = process_start_ticks(pid)
+        if now is None or (ticks and now != ticks):  # it had ended and its pid was reused
+            os.close(fd)
+            self._gone = True
+            return
+        self._fd = fd
+
+    def gone(self) -> bool:
+        if self._gone:
+            return True
+        if self._fd is None:
+            pid, ticks = self.process
+            now = process_start_ticks(pid)
+            self._gone = now is None or bool(ticks and now != ticks)
+        else:
+            readable, _, _ = select.select([self._fd], [], [], 0)
+            self._gone = bool(readable)
+        return self._gone
+
+
 class Holder:
     """The newest checkpoint the trainer handed over, and the hold that follows its death."""
 
@@ -51,18 +92,64 @@ class Holder:
         self._holding = False
         self._terminated = threading.Event()
         self._others: list[str] = []  # an adopting trainer's other slots
+        self._launchers: dict[tuple[int, int], Launcher] = {}
+        self._announced: Path | None = None  # the pending record published at the death
 
     def note(self, address: SlotAddress, manifest: Manifest, info: HoldInfo) -> None:
         """A save was handed over: it is the newest checkpoint now."""
+        self._launcher(info.agent)
         with self._lock:
             self._newest, self._adopted = (address, manifest, info), None
+        if self._announced is not None:  # the trainer is gone: a newer save from its spool
+            self.announce(info)
 
     def adopt(self, record: dict[str, Any], info: HoldInfo, segments: list[str]) -> None:
         """A new trainer took a held checkpoint over: it is the newest until the next save;
         `segments` names the other slots of the trainer's arena (removed if it dies first)."""
+        self._launcher(info.agent)
         with self._lock:
             self._newest, self._adopted = None, (record, info)
             self._others = list(segments)
+
+    def _launcher(self, agent: tuple[int, int] | None) -> Launcher | None:
+        """The watch of `agent`, opened the first time a save names it (the trainer lives)."""
+        if agent is None:
+            return None
+        key = (int(agent[0]), int(agent[1]))
+        with self._lock:
+            if key not in self._launchers:
+                self._launchers[key] = Launcher(key)
+            return self._launchers[key]
+
+    def announce(self, info: HoldInfo | None = None) -> None:
+        """The trainer died: publish at once that this writer will hold a checkpoint of its
+        root and rank (`info`, or the newest so far), still finishing what it was handed, so
+        that a restore waits for it. Nothing when no save said what to hold, or once the hold
+        itself is published; never raises (a restore then does not wait, which it logs)."""
+        with self._lock:  # never after the record itself (`hold`), which it would replace
+            newest = self._newest[2] if self._newest is not None else None
+            if newest is None and self._adopted is not None:
+                newest = self._adopted[1]
+            if info is None or (newest is not None and newest.staged_ns > info.staged_ns):
+                info = newest
+            if info is None or self._holding:
+                return
+            try:
+                self._announced = records.publish(
+                    records.pending_record(info), os.getpid(), info.agent, None
+                )
+            except OSError as exc:
+                logger.error(
+                    "cannot say that checkpoint %s of rank %d is being finished (a restore will "
+                    "not wait for it): %s", info.name, info.rank, exc,
+                )  # fmt: skip
+
+    def withdraw(self) -> None:
+        """Nothing will be held after all: remove the pending record, if any."""
+        with self._lock:
+            announced, self._announced = self._announced, None
+        if announced is not None:
+            records.withdraw(announced)
 
     def segment(self) -> str | None:
         """The name of the segment the newest checkpoint is in (None: nothing to hold)."""
@@ -89,9 +176,11 @@ class Holder:
                 while True:
                     time.sleep(3600)
             newest, adopted = self._newest, self._adopted
-            if newest is None and adopted is None and not replicas:
-                return False
-            self._holding = True
+            if newest is not None or adopted is not None or replicas:
+                self._holding = True  # from now on nothing is announced
+        if not self._holding:
+            self.withdraw()
+            return False
         held: list[tuple[Path, dict[str, Any]]] = []
         timeout, agent = limits if limits is not None else (0.0, None)
         try:
@@ -110,12 +199,14 @@ class Holder:
                 attached.note(self._others)
                 attached.unlink_all(keep={name})
                 held.append((records.publish(record, os.getpid(), agent, timeout), record))
+                self._announced = None  # replaced by the record itself
                 logger.warning(
                     "holding checkpoint %s (rank %d of %s) in shared memory for a new trainer, "
                     "for up to %g s%s", info.name, info.rank, info.root, timeout,
                     " or until the launcher ends" if agent else "",
                 )  # fmt: skip
             else:
+                self.withdraw()
                 attached.unlink_all()
             for path, replica in replicas or ():
                 if _identity(path) is not None:  # not freed by a newer replica already
@@ -123,6 +214,7 @@ class Holder:
                     held.append((path, replica))
         except Exception:
             logger.exception("cannot hold the newest checkpoint in memory: removing it")
+            self.withdraw()
             attached.unlink_all()
             for path, record in held + list(replicas or ()):
                 records.release(path, record)
@@ -131,7 +223,7 @@ class Holder:
             logger.warning("holding %d replica(s) of other nodes' ranks", len(replicas))
         self._watch_terminate()
         _silence_output()
-        self._wait(held, timeout, agent)
+        self._wait(held, timeout, self._launcher(agent))
         return True
 
     @staticmethod
@@ -154,7 +246,7 @@ class Holder:
         signal.signal(signal.SIGTERM, handler)
 
     def _wait(
-        self, held: list[tuple[Path, dict[str, Any]]], timeout: float, agent: tuple[int, int] | None
+        self, held: list[tuple[Path, dict[str, Any]]], timeout: float, launcher: Launcher | None
     ) -> None:
         """Until every record is claimed or replaced (nothing of it is ours then), or the hold
         ends for all of them."""
@@ -169,8 +261,8 @@ class Holder:
                 reason = "SIGTERM"
             elif time.monotonic() >= deadline:
                 reason = f"the hold timeout ({timeout:g} s)"
-            elif agent is not None and not _alive(agent):
-                reason = f"the launcher (pid {agent[0]}) is gone"
+            elif launcher is not None and launcher.gone():
+                reason = f"the launcher (pid {launcher.process[0]}) is gone"
             if reason is not None:
                 logger.info("the hold ends: %s", reason)
                 for path, record, _ in waiting:
@@ -186,12 +278,6 @@ def adopt(record: dict[str, Any], info: HoldInfo, segments: list[str]) -> None:
     """Called in the writer (``CheckpointProcess.call``) by a trainer that took `record` over;
     `segments`: the other slots of its arena."""
     HOLDER.adopt(record, info, segments)
-
-
-def _alive(process: tuple[int, int]) -> bool:
-    pid, ticks = process
-    now = process_start_ticks(pid)
-    return now is not None and (not ticks or now == ticks)
 
 
 def _identity(path: Path) -> tuple[int, int] | None:

@@ -69,13 +69,19 @@ def load(
     A checkpoint root loads the newest checkpoint this rank can restore: the one held in shared
     memory for this root and rank (a trainer that died, see the memory tier in `Checkpointer`),
     when it is newer than the newest on disk or is that one, every CRC32C checked as it is read
-    (a copy that fails is passed over, on every rank, with a warning); else the
-    newest on disk. With torch.distributed initialized on several ranks and `rank` not given,
-    loading a root is collective (every rank calls it): the ranks agree, over a gloo group of
-    their own, on the newest checkpoint every rank can restore, from its own memory, from
-    another node's (a replica, see ``Checkpointer(replicate=True)``, fetched over an
-    authenticated connection and checked), or from disk; a rank whose copy is missing or corrupt
-    makes all of them take an older one, with a `MemoryTierWarning` naming the rank and why.
+    (a copy that fails is passed over, on every rank, with a warning); else the newest on disk.
+    A writer whose trainer died and that is still finishing the saves it was handed (a restart
+    that came quickly) is waited for first, up to ``PYSHMCKPT_ORPHAN_WAIT`` seconds: what it
+    will hold may be the newest. With torch.distributed initialized on several ranks, loading a
+    root (``source`` "auto" or "memory") is collective, whatever `rank` says (it only says whose
+    files): every rank calls it, and the ranks agree, over a gloo group of their own, on the
+    newest checkpoint every rank can restore, from its own memory, from another node's (a
+    replica, see ``Checkpointer(replicate=True)``, fetched over an authenticated connection and
+    checked), or from disk; a rank whose copy is missing or corrupt makes all of them take an
+    older one, with a `MemoryTierWarning` naming the rank and why. No two ranks ever restore
+    different steps: a rank that does not take part fails the restore on every rank
+    (`RestoreError`). Load a checkpoint directory, or ``source="disk"``, to read files without
+    the other ranks.
 
     Args:
         path: a checkpoint directory, a file in it, or a checkpoint root (the newest checkpoint
@@ -84,7 +90,7 @@ def load(
         verify: check the CRC32C of every file entry, also those the target does not use.
         allow_pickle: load values that were stored pickled (trusted sources only).
         rank: whose files to read (and, resharding, whose shards `into` holds); None: this
-            process's rank in torch.distributed (0 without it), agreeing with the other ranks.
+            process's rank in torch.distributed (0 without it).
         into: a state dict to fill in place instead of building a new one.
         mmap: map the file instead of reading it into memory (None: by `map_location`).
         cupy_as: what saved CuPy arrays come back as: ``"cupy"`` (needs CuPy and a CUDA
@@ -111,13 +117,18 @@ def load(
             that need bytes of other ranks' shards (another world size or sharding: a memory
             copy holds only this rank's shards; nothing is written then).
         PyshmckptOSError: a file exists but cannot be opened or mapped.
+        RestoreError: several ranks load a root and one did not take part in the agreement
+            (failed, left, or did not call `load` within ``PYSHMCKPT_RESTORE_TIMEOUT``).
+        ConfigTypeError: `rank` is not an int.
     """
     if cupy_as not in ("cupy", "numpy"):
         raise ConfigError(f"cupy_as must be 'cupy' or 'numpy', not {cupy_as!r}")
     kwargs = {"map_location": map_location, "allow_pickle": allow_pickle, "into": into,
               "mmap": mmap, "cupy_as": cupy_as}  # fmt: skip
-    if rank is None and source in restore.SOURCES and source != "disk" and restore.agreeing(path):
-        return _load_agreed(path, source, process_group, verify, kwargs)
+    if rank is not None:
+        rank = restore.files_rank(rank)
+    if source in restore.SOURCES and source != "disk" and restore.agreeing(path):
+        return _load_agreed(path, source, process_group, verify, kwargs, rank)
     opened, memory, rank = _open(path, rank, source, process_group)
     if memory != "unverified":  # from disk, or a memory copy whose every checksum was checked
         return reader.load_opened(
@@ -138,28 +149,32 @@ def _load_agreed(
     process_group: Any,
     verify: bool,
     kwargs: dict[str, Any],
+    files: int | None,
 ) -> Any:
     """`load` of a root by every rank at once: the ranks agree on a checkpoint, each loads its
-    part, checking a copy from this node's memory as it reads it (one pass), and they confirm;
-    when a memory copy failed its checks, every rank chooses and loads again without it."""
+    part (rank `files`'s files, None: its own), checking a copy from this node's memory as it
+    reads it (one pass), and they confirm; when a memory copy failed its checks, every rank
+    chooses and loads again without it."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
+    explicit = files is not None
+    whose = files if files is not None else rank
     group = process_group if process_group is not None else restore.gloo_group()
     distrust: dict[int, str] = {}
     try:
         while True:
             choice = restore.choose(
-                path, rank, source=source, process_group=group, distrust=distrust
+                path, whose, source=source, process_group=group, distrust=distrust, me=rank
             )
             result, failure, again = None, None, False
             memory = choice.opened is not None
-            used = rank
+            used = whose
             try:
                 if choice.opened is not None:
                     opened = choice.opened
                 else:
-                    if choice.directory is not None:
+                    if choice.directory is not None and not explicit:
                         used = _saved_rank(choice.directory, rank)
                     opened = restore.open_choice(choice, used)
                 check = (not choice.verified) if memory else verify
@@ -167,7 +182,7 @@ def _load_agreed(
             except CheckpointCorruptError as exc:
                 again = memory and not choice.verified
                 what = f"its memory copy of {choice.name}" if again else choice.name
-                failure = restore.unusable(rank, f"{what}: {exc}") if again else str(exc)
+                failure = restore.unusable(whose, f"{what}: {exc}") if again else str(exc)
             failed = restore.confirm(group, rank, failure, again)
             if not failed:
                 return result

@@ -1,13 +1,22 @@
 """Hold records: a checkpoint held in shared memory after its trainer died, found by root and rank.
 
 A writer process whose trainer died keeps the newest checkpoint's slot segment and publishes a
-*hold record*: a file ``/dev/shm/<prefix>-held-<key>`` (mode 0600, written under a temporary name
-and renamed) whose key is a hash of the checkpoint root's real path and the rank. The record holds
-what ``rankN.json`` would hold for that checkpoint on disk (its tensors, structure and the CRC32C
-of every entry, laid out as an exact image of the slot) plus the segment's name, size and token,
-the checkpoint's name and when it was staged, and who holds it. Reading it back is reading a
+*hold record*: a file ``/dev/shm/<prefix>-held-<key>-<token>`` (mode 0600, written under a
+temporary name and renamed) whose key is a hash of the checkpoint root's real path and the rank,
+and whose token is drawn by the holding process (no one else can predict the name and take it
+first: ``/dev/shm`` is shared by every user of the node). The record holds what ``rankN.json``
+would hold for that checkpoint on disk (its tensors, structure and the CRC32C of every entry,
+laid out as an exact image of the slot) plus the segment's name, size and token, the
+checkpoint's name and when it was staged, and who holds it. Reading it back is reading a
 checkpoint whose data file is the segment (`held.open_held`): the same checks and code as from
 disk.
+
+The holder keeps an exclusive ``flock`` on its record for as long as it lives: a record whose lock
+can be taken exclusively has no live holder (it died, or was SIGKILLed), which holds across PID
+namespaces, unlike a pid. At its trainer's death the holder first publishes a *pending* record
+(``"pending": true``: what it will hold, and that it is still finishing the writes it was
+handed), then replaces it with the full record once those are done; a restore waits, bounded,
+for a live pending holder of its root and rank (`wait_for_holders`) before choosing.
 
 A record changes hands by rename, which only one process can win: a new trainer claims it
 (`claim`), the holder releases it (`release`), `pyshmckpt gc` removes it. Only the user who owns
@@ -19,10 +28,13 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import secrets
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +43,7 @@ import numpy as np
 
 from .. import knobs
 from .._gc import gc_paused
-from ..shm.stale import SHM_DIR, process_start_ticks
+from ..shm.stale import SHM_DIR
 from ..staging import Manifest
 from ..storage import tree_codec
 from ..storage.safetensors_header import build_header
@@ -39,7 +51,14 @@ from ..storage.safetensors_writer import FORMAT, FORMAT_VERSION, plan_file
 
 logger = logging.getLogger(__name__)
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
+KINDS = ("held", "replica")
+# Suffixes of a record's names while it is written, claimed or released.
+_TRANSIENT = (".tmp", ".claimed", ".released")
+# Drawn once per process: the token of every record name this process publishes.
+_TOKEN = secrets.token_hex(16)
+# How often a restore looks again at a pending holder of its root and rank.
+_PENDING_POLL = 0.05
 
 
 def hold_key(root: str | os.PathLike[str], rank: int) -> str:
@@ -48,10 +67,28 @@ def hold_key(root: str | os.PathLike[str], rank: int) -> str:
     return hashlib.sha256(f"{real}\0{rank}".encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
 
-def record_path(root: str | os.PathLike[str], rank: int, prefix: str | None = None) -> Path:
-    """Where the hold record of (root, rank) lives."""
+def own_record_path(
+    root: str | os.PathLike[str], rank: int, kind: str = "held", prefix: str | None = None
+) -> Path:
+    """Where this process publishes its record of (root, rank): `kind` "held" (its own rank's
+    checkpoint) or "replica" (a copy of another node's rank)."""
     prefix = knobs.segment_prefix() if prefix is None else prefix
-    return SHM_DIR / f"{prefix}-held-{hold_key(root, rank)}"
+    return SHM_DIR / f"{prefix}-{kind}-{hold_key(root, rank)}-{_TOKEN}"
+
+
+def record_paths(
+    root: str | os.PathLike[str], rank: int, kind: str = "held", prefix: str | None = None
+) -> list[Path]:
+    """The published records of (root, rank) of `kind`, by any process of any user (check them
+    with `read_record`, which takes only this user's)."""
+    prefix = knobs.segment_prefix() if prefix is None else prefix
+    with contextlib.suppress(FileNotFoundError):
+        return sorted(
+            path
+            for path in SHM_DIR.glob(f"{prefix}-{kind}-{hold_key(root, rank)}-*")
+            if not path.name.endswith(_TRANSIENT)
+        )
+    return []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,12 +142,34 @@ def describe(
         "name": info.name,
         "staged_ns": info.staged_ns,
         "persisted": info.persisted,
+        "pending": False,
         # offset: where the slot's data starts, from the segment's first byte
         "segment": {"name": name, "size": size, "token": token.hex(), "offset": slot.offset},
         "data_bytes": int(manifest.size),
         "header": base64.b64encode(header).decode("ascii"),
         "described": described,
     }
+
+
+def pending_record(info: HoldInfo) -> dict[str, Any]:
+    """The record a writer publishes at its trainer's death, before the writes it was handed
+    are finished: which checkpoint it holds so far (`info`), and that more may come."""
+    return {
+        "version": RECORD_VERSION,
+        "root": info.root,
+        "rank": info.rank,
+        "world_size": info.world_size,
+        "name": info.name,
+        "staged_ns": info.staged_ns,
+        "persisted": info.persisted,
+        "pending": True,
+    }
+
+
+# The descriptors of the records this process published, each with an exclusive flock held
+# while the record is ours (`holder_alive`), by name.
+_LOCKED: dict[str, int] = {}
+_LOCKED_LOCK = threading.Lock()
 
 
 def publish(
@@ -120,35 +179,68 @@ def publish(
     timeout: float | None,
     path: Path | None = None,
 ) -> Path:
-    """Write `record` as the hold record of its root and rank (or at `path`), held by process
-    `holder` until `timeout` seconds from now (None: while its trainer runs) or the end of
-    `agent`; returns its path."""
+    """Write `record` as this process's hold record of its root and rank (or at `path`), held
+    by this process (`holder`, its pid, for information) until `timeout` seconds from now (None:
+    while its trainer runs) or the end of `agent`; returns its path. The record replaces the one
+    this process published there before, atomically, and stays locked (alive) while this
+    process lives or until `release`."""
     record = dict(record)
-    ticks = process_start_ticks(holder)
-    record["holder"] = [holder, ticks or 0]
+    record["holder"] = [holder, 0]
     record["agent"] = list(agent) if agent is not None else None
     record["deadline"] = None if timeout is None else time.time() + timeout
-    path = record_path(record["root"], record["rank"]) if path is None else path
-    temp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    path = own_record_path(record["root"], record["rank"]) if path is None else path
+    temp = path.with_name(f"{path.name}.{secrets.token_hex(8)}.tmp")
     data = json.dumps(record, separators=(",", ":")).encode()
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+    fd = os.open(temp, flags, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # before anyone can see it; the only holder of it
         with os.fdopen(fd, "wb", closefd=False) as f:
             f.write(data)
         temp.rename(path)
     except BaseException:
         with contextlib.suppress(OSError):
             temp.unlink()
-        raise
-    finally:
         os.close(fd)
+        raise
+    with _LOCKED_LOCK:
+        previous = _LOCKED.pop(path.name, None)
+        _LOCKED[path.name] = fd
+    if previous is not None:
+        os.close(previous)
     return path
+
+
+def _unlock(path: Path) -> None:
+    with _LOCKED_LOCK:
+        fd = _LOCKED.pop(path.name, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def holder_alive(path: str | os.PathLike[str]) -> bool:
+    """Whether the process that published the record at `path` still lives (it holds the
+    record's lock while it does; a record that is gone has no holder)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        # Shared: probes running at once never take each other for the holder.
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # drops the lock taken, if any
+    return False
 
 
 @gc_paused()
 def read_record(path: Path) -> dict[str, Any] | None:
-    """A hold (or replica) record, or None when `path` is missing, not this user's, open to others or not a
-    record."""
+    """A hold (or replica) record, or None when `path` is missing, not this user's, open to
+    others or not a record."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:
@@ -164,11 +256,30 @@ def read_record(path: Path) -> dict[str, Any] | None:
         os.close(fd)
     try:
         record = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(record, dict) or record.get("version") != RECORD_VERSION:
         return None
     return record
+
+
+def live_records(
+    root: str | os.PathLike[str], rank: int, kind: str = "held"
+) -> list[tuple[Path, dict[str, Any]]]:
+    """This user's records of (root, rank) of `kind` whose holder lives, newest staged first."""
+    found = []
+    for path in record_paths(root, rank, kind):
+        record = read_record(path)
+        if record is not None and holder_alive(path):
+            found.append((path, record))
+    return sorted(found, key=lambda pr: _staged(pr[1]), reverse=True)
+
+
+def _staged(record: dict[str, Any]) -> int:
+    try:
+        return int(record.get("staged_ns", 0))
+    except (TypeError, ValueError):
+        return 0
 
 
 # Records this process took over (`claim`) whose segment it still keeps as they were: found by
@@ -177,31 +288,66 @@ _TAKEN: dict[str, dict[str, Any]] = {}
 
 
 def find(root: str | os.PathLike[str], rank: int) -> dict[str, Any] | None:
-    """The hold record of (root, rank) (one this process took over included), or None."""
-    path = record_path(root, rank)
-    taken = _TAKEN.get(str(path))
-    return taken if taken is not None else read_record(path)
+    """The newest complete hold record of (root, rank) with a live holder (one this process
+    took over included), or None."""
+    taken = _TAKEN.get(hold_key(root, rank))
+    if taken is not None:
+        return taken
+    found = newest(root, rank)
+    return found[1] if found is not None else None
+
+
+def newest(root: str | os.PathLike[str], rank: int) -> tuple[Path, dict[str, Any]] | None:
+    """The newest complete hold record of (root, rank) with a live holder, and its path."""
+    complete = [(p, r) for p, r in live_records(root, rank) if not r.get("pending")]
+    return complete[0] if complete else None
 
 
 def keep_taken(record: dict[str, Any]) -> None:
     """Keep a record this process took over findable while its segment is unchanged."""
-    _TAKEN[str(record_path(record["root"], record["rank"]))] = record
+    _TAKEN[hold_key(record["root"], record["rank"])] = record
 
 
 def forget(record: dict[str, Any]) -> None:
     """The segment of a record this process took over is about to change: no longer findable."""
-    _TAKEN.pop(str(record_path(record["root"], record["rank"])), None)
+    _TAKEN.pop(hold_key(record["root"], record["rank"]), None)
+
+
+def wait_for_holders(root: str | os.PathLike[str], rank: int, timeout: float) -> bool:
+    """Wait until no live writer of (root, rank) is still finishing what its dead trainer
+    handed it (a pending record), at most `timeout` seconds: the checkpoint it will hold may
+    be newer than anything held or on disk now. False when one still was at the timeout (or
+    its wait was given up: `timeout` 0), True otherwise."""
+    deadline = time.monotonic() + timeout
+    announced = False
+    while True:
+        pending = [p for p, r in live_records(root, rank) if r.get("pending")]
+        if not pending:
+            return True
+        if time.monotonic() >= deadline:
+            logger.warning(
+                "a writer of rank %d of %s is still finishing its dead trainer's checkpoints "
+                "after %g s: choosing without it", rank, root, timeout,
+            )  # fmt: skip
+            return False
+        if not announced:
+            announced = True
+            logger.info(
+                "waiting (up to %g s) for the writer of rank %d of %s to finish its dead "
+                "trainer's checkpoints", timeout, rank, root,
+            )  # fmt: skip
+        time.sleep(_PENDING_POLL)
 
 
 def holds(prefix: str | None = None) -> list[tuple[Path, dict[str, Any]]]:
-    """Every hold record of this user's in ``/dev/shm``, replicas of other nodes' ranks
-    included (their records say ``"replica": true``): (path, record)."""
+    """Every hold record of this user's in ``/dev/shm`` (pending ones included), replicas of
+    other nodes' ranks included (their records say ``"replica": true``): (path, record)."""
     prefix = knobs.segment_prefix() if prefix is None else prefix
     out = []
     with contextlib.suppress(FileNotFoundError):
-        for kind in ("held", "replica"):
+        for kind in KINDS:
             for path in sorted(SHM_DIR.glob(f"{prefix}-{kind}-*")):
-                if path.name.endswith((".tmp", ".claimed", ".released")):
+                if path.name.endswith(_TRANSIENT):
                     continue
                 record = read_record(path)
                 if record is not None:
@@ -209,11 +355,11 @@ def holds(prefix: str | None = None) -> list[tuple[Path, dict[str, Any]]]:
     return out
 
 
-def claim(root: str | os.PathLike[str], rank: int) -> dict[str, Any] | None:
-    """Take the hold record of (root, rank) away from its holder, which then exits leaving the
-    segment to the caller; None when there is none (or another process won it)."""
-    path = record_path(root, rank)
-    taken = path.with_name(f"{path.name}.{os.getpid()}.claimed")
+def claim(path: Path) -> dict[str, Any] | None:
+    """Take the hold record at `path` away from its holder, which then exits leaving the segment
+    to the caller (attach it first: an attached segment is never collected); None when another
+    process took or released it first."""
+    taken = path.with_name(f"{path.name}.{secrets.token_hex(8)}.claimed")
     try:
         path.rename(taken)
     except FileNotFoundError:
@@ -229,23 +375,53 @@ def release(path: str | os.PathLike[str], record: dict[str, Any]) -> bool:
     """Free a held checkpoint (its record, then its segment); False when the record was claimed
     or released by someone else first (its segment is theirs then)."""
     path = Path(path)
-    taken = path.with_name(f"{path.name}.{os.getpid()}.released")
+    taken = path.with_name(f"{path.name}.{secrets.token_hex(8)}.released")
     try:
         path.rename(taken)
     except FileNotFoundError:
+        _unlock(path)
         return False
-    with contextlib.suppress(OSError):
-        (SHM_DIR / record["segment"]["name"]).unlink()
+    with contextlib.suppress(OSError, KeyError, TypeError):
+        segment = str(record["segment"]["name"])
+        if "/" not in segment:
+            (SHM_DIR / segment).unlink()
     with contextlib.suppress(OSError):
         taken.unlink()
+    _unlock(path)
     return True
 
 
-def holder_alive(record: dict[str, Any]) -> bool:
-    """Whether the process the record names as its holder still runs."""
-    try:
-        pid, ticks = (int(x) for x in record["holder"])
-    except (KeyError, TypeError, ValueError):
-        return False
-    now = process_start_ticks(pid)
-    return now is not None and (not ticks or now == ticks)
+def withdraw(path: str | os.PathLike[str]) -> None:
+    """Remove a record this process published without freeing anything it names (a pending
+    record whose holder ends up holding nothing)."""
+    path = Path(path)
+    taken = path.with_name(f"{path.name}.{secrets.token_hex(8)}.released")
+    with contextlib.suppress(OSError):
+        path.rename(taken)
+        taken.unlink()
+    _unlock(path)
+
+
+def collect_stale(prefix: str | None = None, *, dry_run: bool = False) -> list[Path]:
+    """Remove this user's records whose holder is gone (killed without releasing them), and the
+    leftovers of a write, claim or release cut short; their segments are collected as stale
+    segments (no live process holds them). Returns what was (or, with `dry_run`, would be)
+    removed."""
+    prefix = knobs.segment_prefix() if prefix is None else prefix
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for kind in KINDS:
+            for path in sorted(SHM_DIR.glob(f"{prefix}-{kind}-*")):
+                try:
+                    st = path.lstat()
+                except OSError:
+                    continue
+                if st.st_uid != os.geteuid() or holder_alive(path):
+                    continue
+                if not dry_run:
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+                removed.append(path)
+    if removed and not dry_run:
+        logger.info("removed %d hold record(s) of holders that are gone", len(removed))
+    return removed

@@ -31,14 +31,16 @@ from .._gc import gc_paused
 from ..errors import (
     CheckpointCorruptError,
     ConfigError,
+    ConfigTypeError,
     MemoryTierWarning,
     PyshmckptError,
+    RestoreError,
     from_os_error,
 )
 from ..storage import commit
 from ..storage.rank_files import OpenedRank, open_rank
 from ..storage.safetensors_writer import file_names
-from . import peer_restore, wire
+from . import peer_restore, records, wire
 from .held import open_held
 
 logger = logging.getLogger(__name__)
@@ -84,47 +86,80 @@ def choose(
     process_group: Any = None,
     agree: bool = True,
     distrust: dict[int, str] | None = None,
+    me: int | None = None,
 ) -> Choice:
-    """The checkpoint rank `rank` restores from `root` (see the module).
+    """The checkpoint whose rank `rank` files this process restores from `root` (see the
+    module); `me` is this process's rank among those that agree (None: `rank`).
 
     With `agree` and torch.distributed initialized with several ranks, every rank must call
     this (it is collective over `process_group`, or over a gloo group made for it). A copy in
     this node's memory is not checked here: it is checked as it is loaded (see `confirm`);
-    `distrust` names the ranks whose own memory copy failed that check (and why).
+    `distrust` names the ranks (by `me`) whose own memory copy failed that check (and why).
+    A writer of (root, rank) that is still finishing what its dead trainer handed it is
+    waited for first (``PYSHMCKPT_ORPHAN_WAIT``): the checkpoint it will hold may be the newest.
 
     Raises:
         CheckpointCorruptError: nothing to restore (no checkpoint held or committed, or, with
             `source` "memory", not every rank holds one in memory).
         ConfigError: `source` is not one of "auto", "memory", "disk".
+        RestoreError: the other ranks did not all take part in the agreement.
     """
     if source not in SOURCES:
         raise ConfigError(f"source must be one of {', '.join(SOURCES)}, not {source!r}")
     root = Path(root)
+    me = rank if me is None else me
     check = agree and _ranks() > 1
+    if source != "disk":
+        records.wait_for_holders(root, rank, orphan_wait(check))
     held, record, status = _held(root, rank) if source != "disk" else (None, None, "not asked")
-    if distrust and rank in distrust:
+    if distrust and me in distrust:
         if held is not None:
             held.file.close()
-        held, record, status = None, None, distrust[rank]
+        held, record, status = None, None, distrust[me]
     options = _options(root, rank, record, source, timed=check or record is not None)
     choice = None
     try:
         if check:
-            choice = _agree(root, rank, held, options, status, source, process_group)
+            mine = View(me, rank, options, status, [], None)
+            choice = _agree(root, mine, held, source, process_group)
         else:
-            plan = _plan(root, source, [View(rank, options, status, [], None)], set())
-            choice = _mine(plan, rank, held, source, root)
+            plan = _plan(root, source, [View(me, rank, options, status, [], None)], set())
+            choice = _mine(plan, me, rank, held, source, root)
     finally:
         if held is not None and (choice is None or choice.opened is not held):
             held.file.close()
     return choice
 
 
+def orphan_wait(collective: bool) -> float:
+    """Seconds a restore waits for a writer still finishing its dead trainer's saves: the
+    setting, within half the restore timeout when the ranks agree (the others wait for this
+    rank meanwhile)."""
+    wait = knobs.orphan_wait()
+    return min(wait, knobs.restore_timeout() / 2) if collective else wait
+
+
+def files_rank(value: Any) -> int:
+    """`value` as whose files a restore reads.
+
+    Raises:
+        ConfigTypeError: not an int.
+        ConfigError: negative.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigTypeError(f"rank must be an int, not {type(value).__name__}")
+    if value < 0:
+        raise ConfigError(f"rank must be >= 0, not {value}")
+    return value
+
+
 class View(NamedTuple):
-    """What one rank told the others: what it can restore itself, why its memory copy is or is
-    not usable, what its node holds for other ranks, and where it serves those."""
+    """What one rank told the others: whose files it restores, what it can restore itself, why
+    its memory copy is or is not usable, what its node holds for other ranks, and where it
+    serves those."""
 
     rank: int
+    files: int
     options: list[Option]
     status: str
     offers: list[peer_restore.Offer]
@@ -141,42 +176,37 @@ class Plan(NamedTuple):
 
 
 def _agree(
-    root: Path,
-    rank: int,
-    held: OpenedRank | None,
-    options: list[Option],
-    status: str,
-    source: str,
-    process_group: Any,
+    root: Path, mine: View, held: OpenedRank | None, source: str, process_group: Any
 ) -> Choice:
     """Agree with the other ranks (see the module); copies from other nodes are fetched."""
     import torch.distributed as dist
 
+    rank = mine.rank
     group = process_group if process_group is not None else gloo_group()
     server = None
     try:
-        offers: list[peer_restore.Offer] = []
         if source != "disk":
-            offers = peer_restore.offers(root, dist.get_world_size(), rank)
+            offers = peer_restore.offers(root, dist.get_world_size(), mine.files)
             try:
                 server = peer_restore.Server(root, wire.node_address())
             except OSError as exc:
                 logger.warning("cannot serve this node's memory copies to other nodes: %s", exc)
-        mine = View(rank, options, status, offers, server.address if server else None)
+            mine = mine._replace(offers=offers, server=server.address if server else None)
         gathered = _all_gather(group, (tuple(mine), wire.new_secret()))
         views = [_view(v) for v, _ in gathered]
+        whose = {v.rank: v.files for v in views}
         secret = str(gathered[0][1])
         failed: set[tuple[int, int]] = set()  # (rank, serving rank) whose fetch failed
         while True:
             plan = _plan(root, source, views, failed)
             wanted = {
-                r: plan.name
+                whose[r]: plan.name
                 for r, (how, by) in plan.sources.items()
                 if how == "peer" and by == rank
             }
             if server is not None:
                 server.serve(wanted, secret, knobs.restore_timeout())
-            choice, reason = _fetch_or_open(plan, rank, held, root, source, secret)
+            choice, reason = _fetch_or_open(plan, mine, held, root, source, secret)
             outcomes = _all_gather(group, (rank, reason))
             lost = {(r, plan.sources[r][1]): why for r, why in outcomes if why is not None}
             if not lost:
@@ -195,31 +225,34 @@ def _agree(
 
 
 def _fetch_or_open(
-    plan: Plan, rank: int, held: OpenedRank | None, root: Path, source: str, secret: str
+    plan: Plan, mine: View, held: OpenedRank | None, root: Path, source: str, secret: str
 ) -> tuple[Choice, str | None]:
     """This rank's part of `plan`, and why it failed (None: it did not)."""
-    how, by = plan.sources[rank]
+    how, by = plan.sources[mine.rank]
+    files = mine.files
     if how != "peer":
-        return _mine(plan, rank, held, source, root), None
+        return _mine(plan, mine.rank, files, held, source, root), None
     try:
         record, segment = peer_restore.fetch(
-            plan.servers[by], secret, rank, knobs.restore_timeout()
+            plan.servers[by], secret, files, knobs.restore_timeout()
         )
         opened = peer_restore.open_fetched(record, segment)
     except (PyshmckptError, OSError) as exc:
-        reason = unusable(rank, f"its copy of {plan.name} held on rank {by}'s node: {exc}")
+        reason = unusable(files, f"its copy of {plan.name} held on rank {by}'s node: {exc}")
         return Choice(plan.name, None, None), reason
-    logger.info("restoring %s (rank %d) from the memory of rank %d's node", plan.name, rank, by)
+    logger.info("restoring %s (rank %d) from the memory of rank %d's node", plan.name, files, by)
     return Choice(plan.name, opened, None, verified=True), None
 
 
-def _mine(plan: Plan, rank: int, held: OpenedRank | None, source: str, root: Path) -> Choice:
-    how, _ = plan.sources[rank]
+def _mine(
+    plan: Plan, me: int, files: int, held: OpenedRank | None, source: str, root: Path
+) -> Choice:
+    how, _ = plan.sources[me]
     if how == "memory" and held is not None:
-        logger.info("restoring %s (rank %d) from memory", plan.name, rank)
+        logger.info("restoring %s (rank %d) from memory", plan.name, files)
         return Choice(plan.name, held, None)
     if source == "memory":
-        raise CheckpointCorruptError(str(root), f"rank {rank} holds no checkpoint in memory")
+        raise CheckpointCorruptError(str(root), f"rank {files} holds no checkpoint in memory")
     return Choice(plan.name, None, root / plan.name)
 
 
@@ -237,14 +270,19 @@ def _plan(root: Path, source: str, views: list[View], failed: set[tuple[int, int
         for o in sorted(v.options, key=lambda o: not o.memory):
             where[v.rank].setdefault(o.name, ("memory" if o.memory else "disk", v.rank))
             staged[o.name] = max(staged.get(o.name, 0), o.staged_ns)
+    needing: dict[int, list[int]] = {}  # whose files -> the ranks that restore them
+    for v in views:
+        needing.setdefault(v.files, []).append(v.rank)
     for v in sorted(views, key=lambda v: v.rank):
         if v.server is None:
             continue
         for offer in v.offers:
-            if offer.rank in where and (offer.rank, v.rank) not in failed:
-                here = where[offer.rank].get(offer.name)
+            for r in needing.get(offer.rank, ()):
+                if (r, v.rank) in failed:
+                    continue
+                here = where[r].get(offer.name)
                 if here is None or here[0] == "disk":
-                    where[offer.rank][offer.name] = ("peer", v.rank)
+                    where[r][offer.name] = ("peer", v.rank)
                 staged[offer.name] = max(staged.get(offer.name, 0), offer.staged_ns)
     common = set.intersection(*(set(names) for names in where.values()))
     if not common:
@@ -353,17 +391,29 @@ def _staged_ns(directory: Path, rank: int) -> int:
 
 
 def _all_gather(group: Any, mine: Any) -> list[Any]:
+    """Every rank's `mine`.
+
+    Raises:
+        RestoreError: a rank did not take part (it failed, left, or did not call the restore
+            within the group's timeout).
+    """
     import torch.distributed as dist
 
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
+    try:
+        dist.all_gather_object(gathered, mine, group=group)
+    except (RuntimeError, ValueError) as exc:  # gloo's timeouts and broken connections
+        raise RestoreError(
+            f"the ranks could not agree on a checkpoint to restore (every rank of the job must "
+            f"load the root together, within PYSHMCKPT_RESTORE_TIMEOUT): {exc}"
+        ) from exc
     return gathered
 
 
 def _view(raw: Any) -> View:
-    rank, options, status, offers, server = raw
+    rank, files, options, status, offers, server = raw
     return View(
-        int(rank), [Option(*o) for o in options], str(status),
+        int(rank), int(files), [Option(*o) for o in options], str(status),
         [peer_restore.Offer(*o) for o in offers], tuple(server) if server else None,
     )  # fmt: skip
 

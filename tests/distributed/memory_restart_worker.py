@@ -14,10 +14,11 @@ and step MEMORY_STEP in shared memory only (``persist=False``). Three attempts:
     1  restores with ``pyshmckpt.load(root)`` (MEMORY_STEP, from memory: not on disk), trains to
        FINAL_STEP, saves it in memory only, and rank 1 SIGKILLs itself again.
     2  rank 1 first flips a byte of the checkpoint its node holds for it (FINAL_STEP): rank 1
-       finds it as it loads, and both ranks load DISK_STEP from disk instead, warned of rank 1
-       and why; they train to FINAL_STEP and end without closing their Checkpointer after a
-       memory-only save, so that their writers hold that checkpoint until torchrun's agent
-       exits.
+       finds it as it loads (``pyshmckpt.load(root, rank=rank)``: whose files, which does not
+       let a rank restore alone), and both ranks load DISK_STEP from disk instead, warned of
+       rank 1 and why (rank 0 does not restore FINAL_STEP from its memory); they train to
+       FINAL_STEP and end without closing their Checkpointer after a memory-only save, so that
+       their writers hold that checkpoint until torchrun's agent exits.
 
 Every attempt writes ``OUT/attempt<N>-rank<R>.json`` (where it resumed from, what the root held
 on disk, whether a checkpoint was held in memory for it); after step FINAL_STEP, each rank
@@ -127,7 +128,9 @@ def main() -> None:
         started = time.monotonic()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", pyshmckpt.MemoryTierWarning)
-            loaded = pyshmckpt.load(root, process_group=group)
+            # The last attempt names its rank, as many scripts do: the ranks still agree.
+            whose = {"rank": rank} if attempt == 2 else {}
+            loaded = pyshmckpt.load(root, process_group=group, **whose)
         model.load_state_dict(loaded["model"])
         optimizer.load_state_dict(loaded["optim"])
         first = int(loaded["step"]) + 1

@@ -209,12 +209,18 @@ def ours(prefix: str) -> list[str]:
     return sorted(p.name for p in SHM.iterdir() if p.name.startswith(prefix + "-"))
 
 
+def held(root: Path, rank: int, prefix: str) -> bool:
+    """Whether a writer holds rank `rank`'s checkpoint of `root` (its whole record is out)."""
+    found = (records.read_record(p) for p in records.record_paths(root, rank, prefix=prefix))
+    return any(r is not None and not r.get("pending") for r in found)
+
+
 def end_holds(prefix: str) -> None:
     """Free every hold under `prefix`, end its holders (SIGKILL after a grace period) and wait
     until nothing of `prefix` is left in /dev/shm."""
     pids = []
     for path, record in records.holds(prefix):
-        if records.holder_alive(record):
+        if records.holder_alive(path):
             pids.append(int(record["holder"][0]))
         records.release(path, record)
     deadline = time.monotonic() + EXIT_TIMEOUT
@@ -240,11 +246,10 @@ def test_a_held_checkpoint_loads_into_dtensors_sharded_as_saved(tmp_path: Path) 
     try:
         codes = launch(script, "save", root, out, env)
         assert codes == [-signal.SIGKILL] * 2, f"save: exit codes {codes}\n{logs(out, 'save')}"
-        paths = [records.record_path(root, r, prefix=prefix) for r in (0, 1)]
         deadline = time.monotonic() + HOLD_WAIT
-        while not all(p.exists() for p in paths) and time.monotonic() < deadline:
+        while not all(held(root, r, prefix) for r in (0, 1)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert all(p.exists() for p in paths), f"no hold records: {ours(prefix)}"
+        assert all(held(root, r, prefix) for r in (0, 1)), f"no hold records: {ours(prefix)}"
         assert not (root / "step1").exists()  # in memory only
 
         codes = launch(script, "load", root, out, env)
