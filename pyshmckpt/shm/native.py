@@ -39,12 +39,6 @@ CopyEvent = _C.CopyEvent
 HostCopy = _C.HostCopy
 
 
-def populate(address: int, nbytes: int) -> None:
-    """Fault in `nbytes` of a shared mapping at `address` on the native pool (GIL released); the
-    caller keeps the mapping alive until this returns."""
-    _C.populate(address, nbytes)
-
-
 def crc32c(data: object, value: int = 0) -> int:
     """CRC32C of a buffer (hardware instruction where the CPU has one; GIL released)."""
     return int(_C.crc32c(data, value))

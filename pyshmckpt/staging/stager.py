@@ -88,6 +88,11 @@ class StagedHandle:
         """
         return self._stager.segments()
 
+    def descriptors(self) -> dict[str, int]:
+        """The open descriptor of every live segment of the stager, by name (see
+        `SlotStager.descriptors`)."""
+        return self._stager.descriptors()
+
     def give_back(self) -> None:
         """End the lease: the writer no longer reads the slot.
 
@@ -367,6 +372,18 @@ class SlotStager:
             if not arena.closed
             for address in (slot.address() for slot in arena.slots)
         ]
+
+    def descriptors(self) -> dict[str, int]:
+        """The open descriptor of every live slot segment, by name: what keeps it alive (see
+        `shm.stale`) for another process that is handed a duplicate. They belong to the arena
+        and close with it.
+        """
+        return {
+            slot.name: int(slot.segment.fd)
+            for arena in list(self._arenas)
+            if not arena.closed
+            for slot in arena.slots
+        }
 
     def release(self, staged: Any) -> None:
         """Declare a staged state dict done with: its slot may be overwritten by the next stage.

@@ -28,6 +28,7 @@ class Kind(enum.Enum):
     LOG = "log"  # child -> parent, unasked: one log record of the writer process
     CALL = "call"  # run one method of the writer, in order with the writes
     PROGRESS = "progress"  # child -> parent, unasked: the write in hand moved on
+    KEEP = "keep"  # parent -> child: descriptors of new slot segments follow (see keeper)
 
 
 @dataclasses.dataclass

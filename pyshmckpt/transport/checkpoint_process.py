@@ -420,6 +420,20 @@ class CheckpointProcess:
         timeout = self._config.write_timeout_secs
         return self._submit(lambda writer: writer.submit_call(method, kwargs, timeout))
 
+    def hand_over(self, descriptors: dict[str, int]) -> None:
+        """Hand the writer process the open descriptors of shared-memory segments (by name) that
+        must stay alive should this process die before a request naming them reaches it (a
+        write hands over those of its stager itself; not in torch's API). See
+        `pyshmckpt.transport.keeper`.
+
+        Raises:
+            ClosedError: the CheckpointProcess is closed.
+            WriterStartError: the writer process cannot be started.
+            WriterDiedError: the writer process died and its restarts are spent.
+        """
+        self._check_open()
+        self._ensure_writer().hand_over(descriptors)
+
     async def write_async(self, state_dict: Any, path: Any, **kwargs: Any) -> None:
         """``await`` form of `write`; staging a plain state dict runs off the event loop.
 
@@ -589,8 +603,9 @@ class CheckpointProcess:
         }
         try:
             timeout = self._config.write_timeout_secs
+            descriptors = handle.descriptors()
             future = self._submit(
-                lambda writer: writer.submit_write(handle.generation, payload, timeout)
+                lambda writer: writer.submit_write(handle.generation, payload, timeout, descriptors)
             )
         except BaseException:
             handle.give_back()

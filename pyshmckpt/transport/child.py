@@ -43,6 +43,7 @@ from ..tiers.records import HoldInfo
 from ..tiers.replication import ReplicaConfig
 from . import logs
 from .channel import Kind, ManifestRef, Request, Response, send
+from .keeper import Kept
 from .spool import SpoolReader
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class _TrainerWatch:
         self.parent_pid = parent_pid
         self.policy = policy
         self.attached = attached
+        self.kept = Kept()  # the trainer's segments handed over by descriptor (see keeper)
         self.spool = SpoolReader(None) if spool is None else spool
         self.dead = threading.Event()
         self.wake_r, self._wake_w = os.pipe()
@@ -139,6 +141,9 @@ class _TrainerWatch:
         self.dead.set()
         if not self.policy.finish:
             self.exit(1)
+        # A restart may come while the writes handed over are still being finished: say at once
+        # that a newer checkpoint may be held here, so that its restore waits for it.
+        holding.HOLDER.announce()
         # Wake the main loop and bound what follows before logging, which forwards the record
         # over the channel and may wait for a send in progress.
         with contextlib.suppress(OSError):
@@ -159,18 +164,27 @@ class _TrainerWatch:
         self._progress = time.monotonic()
 
     def exit(self, code: int) -> None:
-        with contextlib.suppress(Exception):  # writes still spooled name segments too
-            for request in self.spool.read():
-                self.attached.note(n for n, _, _ in request.payload.get("segments", ()))
+        for request in self.spool.read():  # writes still spooled name segments too
+            self.attached.note(n for n, _, _ in request.payload.get("segments", ()))
+        self.kept.close()  # what is still needed is attached: held by the mapping
         if self.dead.is_set():  # the newest checkpoint stays in memory for a new trainer
-            with contextlib.suppress(Exception):
+            replicas: list[Any] = []
+            limits = None
+            try:
                 replicas, limits = replication.stop()
-                if holding.HOLDER.hold(self.attached, replicas, limits):
-                    os._exit(code)  # the hold ended: its segment was freed, or a new trainer's
-        with contextlib.suppress(Exception):
+            except Exception:
+                logger.exception("stopping the replica listener failed: its replicas are freed")
+            if holding.HOLDER.hold(self.attached, replicas, limits):  # logs its own failure
+                os._exit(code)  # the hold ended: its segment was freed, or a new trainer's
+        holding.HOLDER.withdraw()
+        try:
             self.attached.unlink_all()
-        with contextlib.suppress(Exception):
+        except Exception:
+            logger.exception("removing the trainer's segments failed (collected as stale later)")
+        try:
             replication.release_all()
+        except Exception:
+            logger.exception("freeing the replicas held here failed (collected as stale later)")
         os._exit(code)
 
     def _watchdog(self) -> None:
@@ -305,10 +319,14 @@ def writer_main(
                 return
             watch.died()
             break
-        if request.kind in (Kind.WRITE, Kind.CALL):
+        if request.kind is Kind.KEEP:
+            watch.kept.receive(conn, request)
+        elif request.kind in (Kind.WRITE, Kind.CALL):
             watch.busy(True)
             outbox.send(_serve(request, writer, attached, views))
             watch.busy(False)
+            if request.kind is Kind.WRITE:  # attached now; the retired ones are let go
+                watch.kept.retain(name for name, _, _ in request.payload["segments"])
         elif request.kind is Kind.ADOPT:
             for _ in range(int(request.payload["count"])):
                 if watch.dead.is_set():
@@ -370,19 +388,28 @@ def _finish_orphaned(
 ) -> None:
     """The trainer is gone: finish every write (and call) left in the spool and the pipe, in the
     order they were made, then clean up and exit."""
-    requests: list[Request] = []
-    with contextlib.suppress(Exception):  # a record cut short by the trainer's death ends it
-        requests.extend(spool.read())
-    with contextlib.suppress(Exception):  # EOF, or a request cut short by the trainer's death
+    requests: list[Request] = list(spool.read())
+    try:
         while conn.poll(0):
-            requests.append(conn.recv())
+            request = conn.recv()
+            if request.kind is Kind.KEEP:  # until its slots are attached, below
+                watch.kept.receive(conn, request)
+            requests.append(request)
+    except Exception as exc:  # noqa: BLE001 - EOF, or a request cut short by the death
+        logger.info("the rest of the channel is unreadable (cut short by the death): %r", exc)
     requests = [r for r in requests if r.kind in (Kind.WRITE, Kind.CALL)]
+    held = [r.payload["kwargs"].get("hold") for r in requests if r.kind is Kind.WRITE]
+    newest = max((h for h in held if h is not None), key=lambda h: h.staged_ns, default=None)
+    if newest is not None:
+        holding.HOLDER.announce(newest)
     # Attach every slot now: a restarted trainer may soon collect the dead one's segment names.
-    with contextlib.suppress(Exception):
+    try:
         attached.sync(
             {s for r in requests if r.kind is Kind.WRITE for s in r.payload["segments"]},
             close_others=False,  # the newest checkpoint may be in one the trainer retired
         )
+    except Exception:
+        logger.exception("attaching the dead trainer's slots failed: their writes will fail")
     failed = 0
     for request in requests:
         watch.busy(True)
@@ -446,6 +473,7 @@ def _serve_write(
     sync: bool = True,
 ) -> Response:
     payload = request.payload
+    replica: replication.Replication | None = None
     try:
         if sync:
             attached.sync(payload["segments"])
@@ -464,7 +492,6 @@ def _serve_write(
         slot = attached.slot(address, manifest.size)
         hold: HoldInfo | None = payload["kwargs"].pop("hold", None)
         replicate: ReplicaConfig | None = payload["kwargs"].pop("replicate", None)
-        replica = None
         if hold is not None:  # the newest checkpoint, held in memory if the trainer dies
             holding.HOLDER.note(address, manifest, hold)
             payload["kwargs"]["staged_ns"] = hold.staged_ns
@@ -493,6 +520,8 @@ def _serve_write(
         )  # fmt: skip
     except BaseException as exc:
         logger.debug("write of %s failed: %r", payload.get("path"), exc)
+        if replica is not None:  # its copy finishes before the next save's can (bounded)
+            replica.wait()
         return Response(
             Kind.WRITE, request.id, ok=False, generation=request.generation,
             error=traceback.format_exc(), payload=_describe(exc),

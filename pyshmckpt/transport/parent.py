@@ -40,7 +40,7 @@ from ..errors import (
     WriteStalledError,
     WriteTimeoutError,
 )
-from . import launcher, logs
+from . import keeper, launcher, logs
 from .channel import (
     Closed,
     Kind,
@@ -128,6 +128,7 @@ class WriterProcess:
         self._started = 0.0
         # Layout last sent in full per slot: the child keeps the views it built for it.
         self._sent_layouts: dict[str, bytes] = {}
+        self._kept: set[str] = set()  # segments whose descriptors this writer was handed
         self._reap_lock = threading.Lock()
 
     # -- reaping ---------------------------------------------------------------------------
@@ -344,11 +345,19 @@ class WriterProcess:
             return self._process.exitcode
 
     def submit_write(
-        self, generation: int, payload: dict[str, Any], timeout: float | None
+        self,
+        generation: int,
+        payload: dict[str, Any],
+        timeout: float | None,
+        descriptors: dict[str, int] | None = None,
     ) -> Future[Any]:
-        """Queue one WRITE; the Future resolves when the writer answers (or fails)."""
+        """Queue one WRITE; the Future resolves when the writer answers (or fails).
+        `descriptors`: the open descriptor of each segment the trainer stages into, by name;
+        those the writer was not handed yet are handed over first (see `keeper`)."""
         slot_name = payload["slot"].name
         manifest = payload["manifest"]
+        if descriptors:
+            self.hand_over(descriptors)
         with self._lock:
             known = self._sent_layouts.get(slot_name) == manifest.layout_key
             if known:
@@ -362,6 +371,15 @@ class WriterProcess:
                 with self._lock:
                     self._sent_layouts.pop(slot_name, None)
             raise
+
+    def hand_over(self, descriptors: dict[str, int]) -> None:
+        """Hand the child the descriptors of the segments (by name) it was not handed yet, so
+        that they stay alive whatever happens to this process before the child reads a request
+        naming them (see `keeper`). Nothing when the child is gone."""
+        with self._lock:  # never inside another message on the channel
+            new = {n: fd for n, fd in descriptors.items() if n not in self._kept}
+            if new and self._conn is not None and keeper.hand_over(self._conn, new):
+                self._kept.update(new)
 
     def submit_call(
         self, method: str | Callable[..., Any], kwargs: dict[str, Any], timeout: float | None

@@ -17,6 +17,7 @@ records the spool holds (an ADOPT request); every later write goes over the chan
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import struct
@@ -26,6 +27,7 @@ from typing import Any
 from ..errors import from_os_error
 
 _LENGTH = struct.Struct("<Q")
+logger = logging.getLogger(__name__)
 
 
 class Spool:
@@ -69,22 +71,36 @@ class SpoolReader:
     def __init__(self, fd: int | None) -> None:
         self._fd = -1 if fd is None else fd
         self._offset = 0
+        self._read = 0  # records passed so far
 
     def read(self, limit: int | None = None) -> list[Any]:
-        """Up to `limit` (None: every) complete records not read yet."""
+        """Up to `limit` (None: every) complete records not read yet. A record that cannot be
+        unpickled is logged and passed over: the others are still finished. Never raises: what
+        cannot be read (the spool's descriptor failing) ends the records, logged."""
         records: list[Any] = []
         while self._fd >= 0 and (limit is None or len(records) < limit):
-            header = os.pread(self._fd, _LENGTH.size, self._offset)
-            if len(header) < _LENGTH.size:
+            try:
+                header = os.pread(self._fd, _LENGTH.size, self._offset)
+                if len(header) < _LENGTH.size:
+                    break
+                (length,) = _LENGTH.unpack(header)
+                if length == 0:
+                    break
+                data = os.pread(self._fd, length, self._offset + _LENGTH.size)
+            except OSError as exc:
+                logger.error("cannot read the spool past its record %d: %s", self._read, exc)
                 break
-            (length,) = _LENGTH.unpack(header)
-            if length == 0:
-                break
-            data = os.pread(self._fd, length, self._offset + _LENGTH.size)
             if len(data) < length:
                 break
-            records.append(pickle.loads(data))
             self._offset += _LENGTH.size + length
+            self._read += 1
+            try:
+                records.append(pickle.loads(data))
+            except Exception as exc:  # noqa: BLE001 - one bad record must not cost the others
+                logger.error(
+                    "spooled write %d cannot be read (%s: %s): it is lost, the others are kept",
+                    self._read, type(exc).__name__, exc,
+                )  # fmt: skip
         return records
 
     def close(self) -> None:

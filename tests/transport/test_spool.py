@@ -60,6 +60,26 @@ def test_spool_reads_complete_records_in_order_and_stops_at_a_torn_one():
         spool.close()  # idempotent
 
 
+def test_a_spooled_record_that_cannot_be_read_costs_only_itself(caplog):
+    spool = Spool()
+    try:
+        for i in range(3):
+            spool.append({"n": i})
+        # Record 2's bytes damaged in place (its length intact): unpickling it fails.
+        first = pickle.dumps({"n": 0}, protocol=pickle.HIGHEST_PROTOCOL)
+        second = 8 + len(first) + 8  # records are a length (8 bytes) and a pickle each
+        os.pwrite(spool.fd, b"\xff" * len(first), second)
+        reader = SpoolReader(os.dup(spool.fd))
+        with caplog.at_level("ERROR", logger="pyshmckpt.transport.spool"):
+            assert [r["n"] for r in reader.read()] == [0, 2]
+        errors = [r.getMessage() for r in caplog.records]
+        assert len(errors) == 1, errors
+        assert "spooled write 2 cannot be read" in errors[0]
+        reader.close()
+    finally:
+        spool.close()
+
+
 def test_unpicklable_requests_raise_before_anything_is_spooled():
     spool = Spool()
     try:
@@ -180,9 +200,9 @@ def segments_of_session() -> set[str]:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("policy", ["finish", "abandon"])
 def test_a_write_spooled_before_the_trainer_was_killed(tmp_path, policy):
-    """The trainer is SIGKILLed right after write() returned, while its writer is still starting:
-    with "finish" the writer still writes it once started, and either way it removes the shared
-    memory and exits."""
+    """The trainer is SIGKILLed right after write() returned, while its writer is still starting,
+    and stale segments are collected before the writer looks: with "finish" the writer still
+    writes it once started, and either way it removes the shared memory and exits."""
     before = segments_of_session()
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
@@ -202,6 +222,9 @@ def test_a_write_spooled_before_the_trainer_was_killed(tmp_path, policy):
         trainer.stdout.close()  # type: ignore[union-attr]
     report = json.loads(line)
     assert report["ready"] is False  # the write really was spooled
+    # Another job's writer starting on the node meanwhile: the segment of the spooled write is
+    # not one of a dead owner's (the trainer handed it to its writer by descriptor).
+    pyshmckpt.collect_stale_segments()
     gate.touch()
     wait_until(lambda: not pid_running(report["writer"]), 60, "the writer to exit")
     if policy == "finish":

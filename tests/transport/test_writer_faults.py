@@ -1017,8 +1017,8 @@ def test_stale_segments_of_dead_owners_are_collected_and_live_ones_kept(tmp_path
         removed = {info.name: info for info in pyshmckpt.collect_stale_segments(prefix)}
         assert orphan in removed
         assert reused in removed
-        assert removed[orphan].reason == "owner process is gone"
-        assert removed[reused].reason == "owner pid was reused"
+        assert removed[orphan].reason == "no process has it open"
+        assert removed[reused].reason == "no process has it open"
         assert live.name not in removed
         assert not (SHM / orphan).exists()
         assert not (SHM / reused).exists()
