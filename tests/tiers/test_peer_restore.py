@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -109,13 +110,17 @@ def test_a_copy_of_another_rank_or_checkpoint_than_asked_is_refused(changes, rea
 
 def test_a_server_that_stops_sending_fails_the_fetch_within_its_idle_limit():
     secret = wire.new_secret()
+    released = threading.Event()
 
     def stall(channel: wire.Channel) -> None:
         channel.recv_message(wire.Deadline(TIMEOUT))
-        time.sleep(5)
+        released.wait(TIMEOUT)
 
     with restore_server(stall, secret) as address:
         started = time.monotonic()
-        with pytest.raises(ReplicationError, match="nothing moved"):
-            fetched(address, secret, name="s3", idle=1.0)
+        try:
+            with pytest.raises(ReplicationError, match="nothing moved"):
+                fetched(address, secret, name="s3", idle=1.0)
+        finally:
+            released.set()
         assert time.monotonic() - started < 3
