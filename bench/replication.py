@@ -69,7 +69,9 @@ nodes see; use a real disk, not tmpfs), removed at the end unless --keep (which 
 jobs' logs). Segments carry a prefix of this run's own: every job must leave none on either node
 (checked once it ended) nor on this machine. Memory: each node holds up to about 6.5x the
 largest size at once (state, two slots, the replica held and the one arriving, raw buffers):
-about 13 GiB in all for 1 GiB. The defaults are meant to take under 10 minutes on 2 idle cores.
+about 13 GiB in all for 1 GiB. The defaults are meant to take under 10 minutes on 2 idle cores
+with one protection; each further protection adds a throughput job per size (about a minute for
+both sizes at the default repeats).
 """
 
 from __future__ import annotations
