@@ -389,7 +389,7 @@ class Checkpointer:
             listen=(address, port),
             buddy=(buddy.address, buddy.port) if buddy is not None else None,
             buddy_rank=buddy.rank if buddy is not None else None,
-            secret=secret, timeout=knobs.replica_timeout(), hold_timeout=self._hold_timeout,
+            secret=secret, timeout=self._replica_timeout(), hold_timeout=self._hold_timeout,
             agent=self._agent, stall_timeout=self._process._config.write_stall_timeout_secs,
         )  # fmt: skip
         # Listening before the first save: another node's first replica may come sooner.
@@ -404,6 +404,13 @@ class Checkpointer:
                 buddy.address,
             )
         return config
+
+    def _replica_timeout(self) -> float:
+        """Seconds one replication may take: the setting, within half the write timeout (a
+        memory-only save's write is the replication alone, and must never time out for it)."""
+        write_timeout = self._process._config.write_timeout_secs
+        timeout = knobs.replica_timeout()
+        return timeout if write_timeout is None else min(timeout, write_timeout / 2)
 
     def _claim_held(self, capacity_bytes: int | None) -> tuple[dict[str, Any], Segment] | None:
         """Take the checkpoint held in memory for this root and rank away from the writer that

@@ -234,7 +234,7 @@ def _fetch_or_open(
         return _mine(plan, mine.rank, files, held, source, root), None
     try:
         record, segment = peer_restore.fetch(
-            plan.servers[by], secret, files, knobs.restore_timeout()
+            plan.servers[by], secret, files, knobs.restore_timeout(), name=plan.name
         )
         opened = peer_restore.open_fetched(record, segment)
     except (PyshmckptError, OSError) as exc:

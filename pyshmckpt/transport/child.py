@@ -539,7 +539,7 @@ def _replicate(
     or it cannot be described; logged)."""
     try:
         replication.listen(config)  # a restarted writer listens again on the same port
-    except OSError as exc:
+    except (OSError, PyshmckptError) as exc:  # a ConfigError too: encryption asked, not here
         logger.warning("cannot listen for replicas on %s:%d: %s", *config.listen, exc)
     if config.buddy is None:
         return None

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Iterable
 from multiprocessing.connection import Connection
 
+from ..errors import ProtocolError
 from .channel import Kind, Request, send
 
 logger = logging.getLogger(__name__)
@@ -53,14 +54,23 @@ class Kept:
         self._lock = threading.Lock()
 
     def receive(self, conn: Connection, request: Request) -> None:
-        """Take the descriptors that follow `request` (a KEEP) on `conn`."""
+        """Take the descriptors that follow `request` (a KEEP) on `conn`; what cannot be taken
+        is logged (the writes naming those segments still work: they attach them by name)."""
         names = list(request.payload.get("names", ()))
+        try:
+            self._receive(conn, names)
+        except (OSError, ProtocolError) as exc:
+            logger.error("the trainer's segments %s were not handed over: %s", names, exc)
+
+    def _receive(self, conn: Connection, names: list[str]) -> None:
         with socket.socket(fileno=os.dup(conn.fileno())) as sock:
             _, fds, _, _ = socket.recv_fds(sock, len(_MARK), max(1, len(names)))
         if len(fds) != len(names):
             for fd in fds:
                 os.close(fd)
-            raise OSError(f"expected the descriptors of {len(names)} segments, got {len(fds)}")
+            raise ProtocolError(
+                f"expected the descriptors of {len(names)} segments, got {len(fds)}"
+            )
         with self._lock:
             for name, fd in zip(names, fds, strict=True):
                 previous = self._fds.pop(name, None)
