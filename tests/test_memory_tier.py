@@ -575,6 +575,12 @@ def test_a_checkpoint_saved_in_memory_only_outlives_its_trainer(shared_job, monk
     assert record["persisted"] is False
     assert record["holder"][0] in writers
     assert pid_running(record["holder"][0])
+    # The holder gave the trainer's other slot back: the held segment is all it maps.
+    maps = Path(f"/proc/{record['holder'][0]}/maps").read_text()
+    mapped = {
+        line.split("/dev/shm/")[1].split()[0] for line in maps.splitlines() if "/dev/shm/" in line
+    }
+    assert mapped == {record["segment"]["name"]}, mapped
 
     loaded = pyshmckpt.load(root)  # in another process than the trainer's: this one
     assert_same_tree(make_state(2), loaded)

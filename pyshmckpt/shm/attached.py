@@ -170,9 +170,16 @@ class AttachedSegments:
 
     def unlink_all(self, keep: Iterable[str] = ()) -> None:
         """The trainer is gone: remove its segments (but those in `keep`) so that nothing is
-        left in /dev/shm."""
+        left in /dev/shm, and close them here, so that their memory is given back now rather
+        than when this process exits (a writer holding the newest checkpoint lives on for
+        minutes; a mapping still exported stays until its last view goes)."""
         kept = set(keep)
         with self._lock:
             for name in (self._known | set(self._segments)) - kept:
                 with contextlib.suppress(OSError):
                     (SHM_DIR / name).unlink()
+            closing = [self._segments.pop(n) for n in list(self._segments) if n not in kept]
+            for segment in closing:
+                self._mapped.pop(str(segment.name), None)
+        for segment in closing:
+            segment.close()
