@@ -1,26 +1,50 @@
 """Soak test of the never-lose promise, run on demand (not in CI): rounds of saves, each round
 with one random fault, and a count of what went wrong.
 
-    python bench/soak.py --rounds 100 [--busy 3] [--seed 1] [--root DIR]
+    python bench/soak.py --rounds 100 [--busy 3] [--seed 1] [--root DIR] [--faults KIND ...]
+                         [--keep]
 
-Each round starts a trainer process that saves a few checkpoints through a `Checkpointer` and
-meets one fault:
+Each round meets one fault, drawn by a seeded RNG among the kinds available (``--faults``
+limits the draw to the kinds named). In the first five, a trainer process saves a few
+checkpoints through a `Checkpointer`:
 
 - trainer: the trainer SIGKILLs itself right after a save() returned (its writer must finish
-  and commit every save it was handed);
+  and commit every save it was handed, and hold the newest in memory: a new process loads it
+  from memory and compares it with what was saved, then SIGTERM ends the hold);
 - writer: the writer is SIGKILLed mid-run (the saves it held fail and say so; later ones land);
 - both: writer and trainer are SIGKILLed (a node crash: what they held is gone, nothing torn);
 - disk-full: a save does not fit the disk (it fails with ENOSPC; earlier ones stay intact);
 - hung: the writer is stopped (SIGSTOP) mid-write (the stall timeout kills it and fails that save;
   the saves made after that land through a restarted writer).
 
+The other three hit the buddy of a replicating rank (bench/soak_buddy.py, which says how they
+are counted): two simulated nodes (tests/simnodes.py), one rank each, ``replicate=True``; both
+ranks save persisted and memory-only checkpoints in lockstep while node 1 meets the fault:
+
+- buddy-killed: node 1 fails (every process SIGKILLed, its /dev/shm gone) while rank 0 saves on
+  (its persisted saves fail with CommitError, its memory-only saves resolve with a warning);
+- buddy-stopped: every process of node 1 is SIGSTOPped for longer than the stall, replica and
+  heartbeat timeouts while rank 0 saves on, then SIGCONTed (and catches up);
+- buddy-flooded: hundreds of idle and trickling connections to both replica ports while both
+  ranks save (every save completes as without them).
+
+Rank 0's writer is never to be replaced for it, and rank 0's newest, memory-only checkpoint must
+load from node 0's memory, equal to what was saved.
+
 After each round it counts: torn visible checkpoints (a visible checkpoint that fails
-`pyshmckpt.verify` or holds other values than were saved), leaked shared-memory segments, hangs
-(a trainer or writer still alive past its bound), and lost checkpoints: a save that returned
-(staged) and was neither committed nor reported failed, while its writer lived. Goal: 0 0 0 0.
-Needs root for the small tmpfs of the disk-full rounds (skipped without it). ``--busy N`` runs N
-busy loops beside the rounds for their whole length: a machine as busy as a training node, where
-every start and every write is slowed and races show.
+`pyshmckpt.verify` or holds other values than were saved), leaked shared-memory segments and
+hold records (this machine's /dev/shm; for buddy rounds the nodes' too), hangs (a trainer,
+writer or save still alive or pending past its bound), and lost checkpoints: a save that
+returned (staged) and was neither committed nor reported failed, while its writer lived, or a
+buddy round's newest memory-only checkpoint not restorable from memory. Also counted as failures:
+a writer killed for replication (replaced, or a save failing with WriteStalledError), a memory-only
+save that failed, a save hurt by a flood (an error or a ReplicationWarning), and a trainer
+round's newest checkpoint not restorable from memory. Goal: all of them 0.
+
+Needs root for the small tmpfs of the disk-full rounds and for simulated nodes (those rounds are
+skipped without it, with a line saying so). ``--busy N`` runs N busy loops beside the rounds for
+their whole length: a machine as busy as a training node, where every start and every write is
+slowed and races show. ``--keep`` keeps the work folder (journals, the buddy ranks' logs).
 """
 
 from __future__ import annotations
@@ -30,6 +54,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,10 +65,18 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-FAULTS = ("trainer", "writer", "both", "disk-full", "hung")
+import soak_buddy  # bench/soak_buddy.py: the rounds on simulated nodes
+
+FAULTS = ("trainer", "writer", "both", "disk-full", "hung", *soak_buddy.FAULTS)
 SAVES = 3
 TRAINER_BOUND = 90.0  # seconds a round's trainer may take
 WRITER_BOUND = 30.0  # seconds an orphaned writer may take after its trainer died
+HOLD_BOUND = 120.0  # seconds a writer holds after its trainer's death if nobody ends the hold
+GOAL = (
+    "torn checkpoints", "leaked segments", "hangs", "lost checkpoints",
+    "writer killed for replication", "memory-only saves failed", "flooded saves hurt",
+    "not restorable from memory",
+)  # fmt: skip
 
 TRAINER = textwrap.dedent(
     """
@@ -172,7 +205,10 @@ def run_round(round_no: int, fault: str, root: Path, prefix: str, work: Path) ->
     counts: Counter[str] = Counter()
     journal = work / f"journal-{round_no}.jsonl"
     script = work / "trainer.py"
-    env = dict(os.environ, PYSHMCKPT_SEGMENT_PREFIX=prefix)
+    env = dict(
+        os.environ, PYSHMCKPT_SEGMENT_PREFIX=prefix, PYSHMCKPT_HOLD_TIMEOUT=str(HOLD_BOUND),
+        PYSHMCKPT_ORPHAN_WAIT=str(WRITER_BOUND),
+    )  # fmt: skip
     trainer = subprocess.Popen(
         [sys.executable, str(script), str(root), str(journal), fault, str(round_no)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=str(work),
@@ -191,6 +227,14 @@ def run_round(round_no: int, fault: str, root: Path, prefix: str, work: Path) ->
     writers = {e["pid"] for e in events if e["event"] == "writer"} | {
         e["writer"] for e in events if e["event"] == "staged"
     }
+    staged = [e for e in events if e["event"] == "staged"]
+    if fault == "trainer" and trainer.returncode == -signal.SIGKILL and staged:
+        # Its writer holds the newest checkpoint in memory for a restart: load it as one would,
+        # then end the hold as a scheduler ending the job does (SIGTERM).
+        counts.update(held_check(round_no, fault, root, staged[-1]["step"], env, work))
+        for pid in writers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + WRITER_BOUND
     while any(alive(pid) for pid in writers) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -239,12 +283,49 @@ def run_round(round_no: int, fault: str, root: Path, prefix: str, work: Path) ->
     return counts
 
 
+def held_check(
+    round_no: int, fault: str, root: Path, step: int, env: dict[str, str], work: Path
+) -> Counter[str]:
+    """Load the checkpoint held in memory for `root` in a new process and compare it with the
+    state of `step`."""
+    counts: Counter[str] = Counter()
+    path = [str(Path(__file__).resolve().parent), *filter(None, [env.get("PYTHONPATH")])]
+    try:
+        done = subprocess.run(
+            [sys.executable, str(work / "load.py"), str(root), "0"], capture_output=True,
+            text=True, timeout=WRITER_BOUND + 60, cwd=str(work),
+            env=env | {"PYTHONPATH": os.pathsep.join(path)},
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        counts["hangs"] += 1
+        counts["not restorable from memory"] += 1
+        print(f"round {round_no} ({fault}): loading from memory did not end")
+        return counts
+    got = None
+    if done.returncode == 0:
+        with contextlib.suppress(json.JSONDecodeError, IndexError):
+            got = json.loads(done.stdout.strip().splitlines()[-1])
+    if got == {"step": step, "digest": soak_buddy.digest(expected_state(step))}:
+        counts["restored from memory"] += 1
+    else:
+        counts["not restorable from memory"] += 1
+        print(f"round {round_no} ({fault}): step {step} from memory: {got}\n{done.stderr[-3000:]}")
+    return counts
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--root", type=Path, help="checkpoint root (default: a temporary dir)")
     parser.add_argument("--busy", type=int, default=0, help="busy loops beside the rounds")
+    parser.add_argument(
+        "--faults", nargs="+", choices=FAULTS, default=list(FAULTS), metavar="FAULT",
+        help=f"the fault kinds rounds draw from (default: all of {', '.join(FAULTS)})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the work folder (journals, the ranks' logs)"
+    )
     args = parser.parse_args()
     with busy_loops(args.busy):
         return soak(args)
@@ -268,24 +349,51 @@ def soak(args: argparse.Namespace) -> int:
     totals: Counter[str] = Counter()
     per_fault: Counter[str] = Counter()
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="pyshmckpt-soak-") as tmp:
-        work = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        work = Path(tempfile.mkdtemp(prefix="pyshmckpt-soak-"))
+        if args.keep:
+            print(f"work folder (kept): {work}")
+        else:
+            stack.callback(shutil.rmtree, work, ignore_errors=True)
         (work / "trainer.py").write_text(TRAINER)
+        (work / "load.py").write_text(soak_buddy.LOAD)
         root = args.root or work / "root"
         root.mkdir(parents=True, exist_ok=True)
-        with small_disk(work) as disk:
-            if disk is None:
-                print("no tmpfs could be mounted (not root?): disk-full rounds are skipped")
-            for round_no in range(args.rounds):
-                fault = rng.choice(FAULTS if disk is not None else FAULTS[:3] + FAULTS[4:])
-                per_fault[fault] += 1
+        buddy_root = root.with_name(root.name + "-buddy")  # the buddy rounds' roots, one each
+        faults = [f for f in FAULTS if f in args.faults]
+        disk = stack.enter_context(small_disk(work)) if "disk-full" in faults else None
+        if disk is None and "disk-full" in faults:
+            print("no tmpfs could be mounted (not root?): disk-full rounds are skipped")
+            faults.remove("disk-full")
+        nodes = None
+        if any(f in soak_buddy.FAULTS for f in faults):
+            reason = soak_buddy.unavailable()
+            if reason is None:
+                nodes = stack.enter_context(soak_buddy.Nodes(work, prefix).up())
+            else:
+                print(f"no simulated nodes ({reason}): buddy rounds are skipped")
+                faults = [f for f in faults if f not in soak_buddy.FAULTS]
+        if not faults:
+            print("no fault kind left to draw")
+            return 1
+        for round_no in range(args.rounds):
+            fault = rng.choice(faults)
+            moment = rng.random()  # when a buddy round's fault hits (drawn for every round)
+            per_fault[fault] += 1
+            if fault in soak_buddy.FAULTS:
+                assert nodes is not None
+                counts = soak_buddy.run_round(round_no, fault, nodes, buddy_root, moment)
+            else:
                 round_root = disk if fault == "disk-full" else root
+                assert round_root is not None
                 counts = run_round(round_no, fault, round_root, prefix, work)
-                totals.update(counts)
-                if fault == "disk-full" and disk is not None:  # make room for the next one
-                    for entry in disk.iterdir():
-                        subprocess.run(["rm", "-rf", str(entry)], check=False)
-                print(f"round {round_no:3d} {fault:9s} {dict(counts)}", flush=True)
+            totals.update(counts)
+            if fault == "disk-full" and disk is not None:  # make room for the next one
+                for entry in disk.iterdir():
+                    subprocess.run(["rm", "-rf", str(entry)], check=False)
+            print(f"round {round_no:3d} {fault:13s} {dict(counts)}", flush=True)
+        with contextlib.suppress(OSError):
+            buddy_root.rmdir()
         # What the last crash left: the next start collects it (as every round's trainer did).
         from pyshmckpt.shm import collect_stale_segments
 
@@ -295,13 +403,12 @@ def soak(args: argparse.Namespace) -> int:
         for p in left:
             p.unlink(missing_ok=True)
     elapsed = time.monotonic() - started
-    goal = ("torn checkpoints", "leaked segments", "hangs", "lost checkpoints")
     busy = f", {args.busy} busy loops beside them" if args.busy else ""
     print(f"\n{args.rounds} rounds in {elapsed:.0f} s{busy}; faults: {dict(per_fault)}")
-    for key in goal:
+    for key in GOAL:
         print(f"{key}: {totals.get(key, 0)}")
-    print("also:", {k: v for k, v in totals.items() if k not in goal})
-    return 0 if all(totals.get(key, 0) == 0 for key in goal) else 1
+    print("also:", {k: v for k, v in totals.items() if k not in GOAL})
+    return 0 if all(totals.get(key, 0) == 0 for key in GOAL) else 1
 
 
 if __name__ == "__main__":
