@@ -731,6 +731,11 @@ class _ServerHandshake:
     def feed(self, data: bytes) -> None:
         self._buffer += data
 
+    @property
+    def received(self) -> int:
+        """Bytes of the hello received so far."""
+        return len(self._buffer)
+
     def finish(self, sock: socket.socket) -> tuple[bytes, Channel | None, str]:
         """The reply to send, the channel over `sock` (None: refused after authentication, the
         reply says why), and the client's identity.
@@ -899,9 +904,11 @@ class Listener:
     def _run(self) -> None:
         try:
             while not self._closed.is_set():
-                self._step()
-        except Exception:  # noqa: BLE001 - a listener that stops must say why
-            logger.exception("%s stopped accepting connections", self._name)
+                try:
+                    self._step()
+                except Exception:  # noqa: BLE001 - the port stays served whatever one step met
+                    logger.exception("%s: serving its port met an error", self._name)
+                    self._closed.wait(0.1)
         finally:
             for conn in list(self._pending):
                 self._drop(conn)
@@ -917,8 +924,8 @@ class Listener:
             elif key.fileobj == self._wake_r:
                 with contextlib.suppress(OSError):
                     os.read(self._wake_r, 64)
-            else:
-                self._advance(key.fileobj)  # type: ignore[arg-type]
+            elif key.fileobj in self._pending:  # not dropped earlier in this batch
+                self._advance(key.fileobj)
         now = time.monotonic()
         for conn, (end, _) in list(self._pending.items()):
             if end <= now:
@@ -945,13 +952,22 @@ class Listener:
         the listener pauses a moment (the connection waits in the kernel's queue)."""
         self._warn("accept", f"accept() failed: {exc}")
         if self._pending:
-            self._refuse(next(iter(self._pending)), "room was needed for a newer connection")
+            self._refuse(self._evictable(), "room was needed for a newer connection")
         else:
             self._closed.wait(0.1)
 
+    def _evictable(self) -> socket.socket:
+        """The handshake that makes room for a newer one: the oldest that has sent nothing yet
+        (a member of the job sends its whole hello at once, a flood's idle connection never
+        does), else the oldest."""
+        for conn, (_, handshake) in self._pending.items():
+            if not handshake.received:
+                return conn
+        return next(iter(self._pending))
+
     def _begin(self, conn: socket.socket) -> None:
         if len(self._pending) >= self._max_pending:
-            self._refuse(next(iter(self._pending)), "room was needed for a newer connection")
+            self._refuse(self._evictable(), "room was needed for a newer connection")
         try:
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

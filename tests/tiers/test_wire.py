@@ -9,6 +9,7 @@ setting that needs the `cryptography` package."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import subprocess
 import sys
@@ -459,6 +460,41 @@ def test_the_listener_outlives_accept_errors_and_failed_thread_starts(tmp_path):
         _, err = process.communicate(timeout=TIMEOUT)
     assert "accept() failed" in err  # said once, in a warning
     assert "cannot start a thread" in err
+
+
+def test_connections_churning_past_the_handshake_limit_never_stop_the_listener(caplog):
+    """Connections that arrive while the handshakes are full push the oldest out, also one whose
+    bytes are in the same batch of events: the listener goes on serving members."""
+    secret = wire.new_secret()
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            opened = []
+            for _ in range(8):
+                with contextlib.suppress(OSError):
+                    sock = socket.create_connection(server.address, timeout=TIMEOUT)
+                    sock.send(b"x")  # readable at the listener at once, beside the next accept
+                    opened.append(sock)
+            for sock in opened:
+                sock.close()
+
+    with Server(echo, secret, pending=2) as server:
+        threads = [threading.Thread(target=churn) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        try:
+            time.sleep(3.0)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(TIMEOUT)
+        with server.connect(secret) as channel:
+            channel.send_message({"after": "the churn"}, wire.Deadline(TIMEOUT))
+            assert channel.recv_message(wire.Deadline(TIMEOUT)) == {"echo": {"after": "the churn"}}
+        assert server.result() == {"after": "the churn"}
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], errors
 
 
 # -- settings --------------------------------------------------------------------------------------
