@@ -31,6 +31,7 @@ from ..errors import (
 )
 from ..shm import collect_stale_segments
 from ..staging import SlotStager, lease_staged
+from ..tiers import records
 from . import launcher
 from .child import OrphanPolicy, RankInfo, no_init
 from .parent import WriterProcess
@@ -62,7 +63,8 @@ class CheckpointProcessConfig:
         capacity_bytes: bytes per internal slot, allocated up front (None: sized on first use).
         slot_timeout_secs: seconds write() waits for a slot while all are being written.
         max_restarts: how many times a dead writer is restarted by a later write().
-        collect_stale_segments: remove segments of dead owners at start-up.
+        collect_stale_segments: remove segments no process holds, and records of holders that
+            are gone, at start-up and when a dead writer is replaced.
         on_trainer_death: "finish" (the writer finishes and commits the writes it was handed,
             each bounded by write_timeout_secs, then exits) or "abandon" (it exits at once).
         wait_for_start: True: write() first waits for the writer process to be ready (torch's
@@ -268,7 +270,7 @@ class CheckpointProcess:
             lean_writer = not launcher.needs_main(*self._writer_spec)
         self._lean_writer = bool(lean_writer)
         if config.collect_stale_segments:
-            collect_stale_segments()
+            _collect_stale()
         self._stager = SlotStager(
             capacity_bytes=config.capacity_bytes,
             slots=config.slots,
@@ -584,6 +586,8 @@ class CheckpointProcess:
             )  # fmt: skip
             for error in writer.close(abort=True):
                 logger.warning("while replacing the writer: %s", error)
+            if self._config.collect_stale_segments:  # what the dead writer held (its replicas)
+                _collect_stale()
             writer = self._new_writer()
             self._writers.append(writer)
         writer.start()
@@ -642,6 +646,13 @@ class CheckpointProcess:
                 raise
             # It died between the liveness check and the send: restart it (within the budget).
             return send(self._ensure_writer())
+
+
+def _collect_stale() -> None:
+    """Remove the hold and replica records of holders that are gone, then the segments no
+    process holds (theirs among them): what a dead writer or a crashed node left."""
+    records.collect_stale()
+    collect_stale_segments()
 
 
 class WriterProcesses:

@@ -244,6 +244,43 @@ def test_sigkill_mid_write_fails_the_write_at_once_then_the_next_write_restarts(
     assert not any(target.with_name(f"killed-{i}").exists() for i in range(3))
 
 
+# What a writer that holds checkpoints leaves when it is killed: a segment and its record, held
+# by nobody once this process dies (SIGKILL).
+LEFTOVERS = textwrap.dedent(
+    """
+    import os, signal
+
+    from pyshmckpt.shm.native import Segment
+    from pyshmckpt.tiers import records
+
+    segment = Segment.create(4096, os.environ["PYSHMCKPT_SEGMENT_PREFIX"], True)
+    info = records.HoldInfo("/nowhere", 0, 1, "step-1", 1, False, 60.0, None, False)
+    record = dict(records.pending_record(info), pending=False, segment={"name": segment.name})
+    path = records.publish(record, os.getpid(), None, None)
+    print(segment.name, path.name, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_a_dead_writers_leftovers_are_collected_when_it_is_replaced(make_cp, tmp_path):
+    cp = make_cp(mode="ok", max_restarts=1)
+    first = started(cp)
+    done = subprocess.run(
+        [sys.executable, "-c", LEFTOVERS], capture_output=True, text=True, env=child_env(),
+        timeout=SPAWN_TIMEOUT,
+    )  # fmt: skip
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    segment, record = done.stdout.split()
+    assert (SHM / segment).exists()
+    assert (SHM / record).exists()
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: not pid_exists(first), 10, "the dispatcher to reap the writer")
+    write_ok(cp, tmp_path / "after", 1)  # restarts the writer
+    assert not (SHM / segment).exists()
+    assert not (SHM / record).exists()
+
+
 def test_restart_budget(make_cp, tmp_path):
     cp = make_cp(mode="ok", max_restarts=1)
     first = started(cp)
