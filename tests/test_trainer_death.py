@@ -4,9 +4,12 @@ still finishes the write, commits it (multi-rank too), removes the shared memory
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -241,3 +244,60 @@ def test_a_save_outlives_its_worker_group_sigtermed_by_a_torchrun_restart(tmp_pa
     assert [name for _, name in pyshmckpt.storage.commit.committed(tmp_path / "root")] == [
         "step00012"
     ]
+
+
+# A trainer whose save is written slowly, with a short stall timeout; it waits for the save and
+# says how it ended.
+SUSPENDED_TRAINER = textwrap.dedent(
+    """
+    import json, sys
+
+    import torch
+
+    import pyshmckpt
+    from slow_writer import register_slow_writer
+
+    ck = pyshmckpt.Checkpointer(sys.argv[1], writer=register_slow_writer(), stall_timeout=3)
+    ck.wait_for_writer()  # the save goes to the writer at once, not to its spool
+    writer = ck._process
+    future = ck.save({"w": torch.arange(1000.0)}, name="final")
+    print(json.dumps({"writer": writer.pid}), flush=True)
+    try:
+        future.result(timeout=120)
+        print(json.dumps({"saved": True, "writer": writer.pid}), flush=True)
+    except pyshmckpt.PyshmckptError as exc:
+        print(json.dumps({"saved": False, "error": repr(exc)}), flush=True)
+    ck.close()
+    """
+)
+
+
+@pytest.mark.timeout(240)
+def test_a_job_stopped_and_continued_mid_save_finishes_it(tmp_path):
+    """A job's processes all stopped (SIGSTOP: a scheduler suspending the job, a frozen cgroup)
+    for longer than the stall timeout, then continued: the time they were stopped is not a
+    stalled write, so the writer is not killed and the save lands."""
+    script = tmp_path / "trainer.py"
+    script.write_text(SUSPENDED_TRAINER)
+    root = tmp_path / "ckpt"
+    trainer = subprocess.Popen(
+        [sys.executable, str(script), str(root)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=child_env(), cwd=str(tmp_path),
+    )  # fmt: skip
+    try:
+        writer = json.loads(trainer.stdout.readline())["writer"]  # type: ignore[union-attr]
+        stopped = [trainer.pid, writer]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(6)  # twice the stall timeout, the slow write in the middle
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        out, err = trainer.communicate(timeout=120)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.communicate(timeout=30)
+    assert trainer.returncode == 0, err
+    result = json.loads(out.splitlines()[-1])
+    assert result == {"saved": True, "writer": writer}, (result, err)
+    assert (root / "final" / "commit.json").exists()

@@ -79,6 +79,13 @@ _SPAWN_HINT = (
 )
 
 
+# Longest wait of the dispatcher while a deadline is ahead, and how much later than asked it may
+# wake before it counts as stopped rather than busy (a loaded node delays a thread by a second
+# or two).
+_TICK = 1.0
+_PAUSED = 3.0
+
+
 class WriterProcess:
     """One spawned writer subprocess and the dispatcher that resolves its requests.
 
@@ -106,6 +113,7 @@ class WriterProcess:
         self._stall_timeout = stall_timeout
         self._reports_progress = False  # what the writer said when it was ready
         self._activity = 0.0  # when the writer last said the work in hand moved on
+        self._paused = 0.0  # seconds this process was not running since then (see _dispatch)
         self._target_args = (
             rank_info, subprocess_init_fn, tuple(subprocess_init_args),
             checkpoint_writer_init_fn, dict(checkpoint_writer_init_args),
@@ -589,6 +597,7 @@ class WriterProcess:
         conn, process = self._conn, self._process
         if conn is None or process is None:
             return
+        checked = time.monotonic()  # when deadlines were last checked
         while True:
             with self._lock:
                 deadlines = [p.deadline for p in self._pending.values() if p.deadline is not None]
@@ -596,6 +605,8 @@ class WriterProcess:
             if stall is not None:
                 deadlines.append(stall)
             timeout = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
+            if timeout is not None:  # wakes often enough to tell that this process was stopped
+                timeout = min(timeout, _TICK)
             try:
                 ready = wait([conn, process.sentinel, self._wake_r], timeout)
             except (OSError, ValueError) as exc:  # the connection was closed under us
@@ -615,7 +626,7 @@ class WriterProcess:
                 if response.kind is Kind.LOG:
                     logs.emit_forwarded(response.payload)
                     continue
-                self._activity = time.monotonic()
+                self._activity, self._paused = time.monotonic(), 0.0
                 if response.kind is Kind.PROGRESS:
                     continue
                 if not self._resolve(response):
@@ -637,8 +648,11 @@ class WriterProcess:
                     logger.warning("%s: %d write(s) failed", died, writes)
                 self._fail_pending(died)
                 return
+            if timeout is not None:  # since the last check: one wait of `timeout`, and no more
+                self._count_pause(time.monotonic() - checked - timeout)
             if self._expire():
                 return
+            checked = time.monotonic()
             # Otherwise run until the child exits: close() may still be waiting for its reply to
             # TERMINATE (and the error of the user's writer.close() it may carry).
 
@@ -704,7 +718,21 @@ class WriterProcess:
         in_hand = self._pending[min(self._pending)]  # the writer serves requests in order
         if in_hand.kind is not Kind.WRITE or in_hand.sent is None:
             return None
-        return max(self._activity, in_hand.sent) + self._stall_timeout
+        return max(self._activity, in_hand.sent) + self._stall_timeout + self._paused
+
+    def _count_pause(self, late: float) -> None:
+        """The dispatcher checks deadlines `late` seconds after it meant to: beyond `_PAUSED`,
+        this process was not running (stopped by SIGSTOP, frozen with its job or node). Its writer was
+        stopped with it as a rule (a job's, a node's suspension): that time counts against
+        neither a write's deadline nor its stall timeout."""
+        if late <= _PAUSED:
+            return
+        with self._lock:
+            self._paused += late
+            for item in self._pending.values():
+                if item.deadline is not None:
+                    item.deadline += late
+        logger.info("this process was not running for %.1f s: the writer's deadlines move on", late)
 
     def _expire(self) -> bool:
         """Kill the writer if a write overran its deadline, or made no progress for the stall
