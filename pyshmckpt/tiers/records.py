@@ -135,13 +135,7 @@ def describe(
         "tree": tree_codec.encode(manifest.tree, allow_pickle=info.allow_pickle),
     }
     return {
-        "version": RECORD_VERSION,
-        "root": info.root,
-        "rank": info.rank,
-        "world_size": info.world_size,
-        "name": info.name,
-        "staged_ns": info.staged_ns,
-        "persisted": info.persisted,
+        **pending_record(info),
         "pending": False,
         # offset: where the slot's data starts, from the segment's first byte
         "segment": {"name": name, "size": size, "token": token.hex(), "offset": slot.offset},
@@ -153,7 +147,8 @@ def describe(
 
 def pending_record(info: HoldInfo) -> dict[str, Any]:
     """The record a writer publishes at its trainer's death, before the writes it was handed
-    are finished: which checkpoint it holds so far (`info`), and that more may come."""
+    are finished: which checkpoint it holds so far (`info`), and that more may come (the fields
+    every record has; `describe` adds what the held checkpoint is)."""
     return {
         "version": RECORD_VERSION,
         "root": info.root,
