@@ -14,6 +14,7 @@ import dataclasses
 import io
 import mmap
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,14 +52,17 @@ def open_held(record: dict[str, Any], source: str = "memory") -> OpenedRank:
     if "/" in name or not isinstance(described, dict):
         raise CheckpointCorruptError(source, "malformed hold record")
     path = SHM_DIR / name
-    try:
-        f = path.open("rb")
+    try:  # a FIFO of another user's at that name would wait for a writer: not opened
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         raise CheckpointCorruptError(str(path), "the held segment is gone") from None
     except OSError as exc:
         raise from_os_error(exc, f"cannot open {path}") from exc
+    f = os.fdopen(fd, "rb")
     try:
         st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointCorruptError(str(path), "the held segment is not a file")
         found = read_header(f.read(4096))
         if st.st_uid != os.geteuid() or st.st_mode & 0o077:
             raise CheckpointCorruptError(str(path), "the held segment is not this user's alone")

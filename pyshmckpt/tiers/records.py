@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import secrets
+import stat
 import threading
 import time
 from pathlib import Path
@@ -59,6 +60,8 @@ _TRANSIENT = (".tmp", ".claimed", ".released")
 _TOKEN = secrets.token_hex(16)
 # How often a restore looks again at a pending holder of its root and rank.
 _PENDING_POLL = 0.05
+# Seconds a record's temporary (written, claimed or released) is left to its process.
+_TRANSIENT_AGE = 60.0
 
 
 def hold_key(root: str | os.PathLike[str], rank: int) -> str:
@@ -213,12 +216,31 @@ def _unlock(path: Path) -> None:
         os.close(fd)
 
 
+def _open_own(path: str | os.PathLike[str]) -> int | None:
+    """A descriptor for reading `path` if it is a regular file of this user's, else None: never
+    through a link, never waiting on a FIFO (``/dev/shm`` is every user's)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():  # replaced meanwhile
+        os.close(fd)
+        return None
+    return fd
+
+
 def holder_alive(path: str | os.PathLike[str]) -> bool:
     """Whether the process that published the record at `path` still lives (it holds the
-    record's lock while it does; a record that is gone has no holder)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
+    record's lock while it does; a record that is gone, or not this user's, has no holder)."""
+    fd = _open_own(path)
+    if fd is None:
         return False
     try:
         # Shared: probes running at once never take each other for the holder.
@@ -234,16 +256,14 @@ def holder_alive(path: str | os.PathLike[str]) -> bool:
 
 @gc_paused()
 def read_record(path: Path) -> dict[str, Any] | None:
-    """A hold (or replica) record, or None when `path` is missing, not this user's, open to
-    others or not a record."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
+    """A hold (or replica) record, or None when `path` is missing, not a regular file of this
+    user's, open to others or not a record."""
+    fd = _open_own(path)
+    if fd is None:
         return None
     try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            logger.warning("ignoring hold record %s: not this user's, or open to others", path)
+        if os.fstat(fd).st_mode & 0o077:
+            logger.warning("ignoring hold record %s: open to other users", path)
             return None
         with os.fdopen(fd, "rb", closefd=False) as f:
             raw = f.read()
@@ -411,8 +431,11 @@ def collect_stale(prefix: str | None = None, *, dry_run: bool = False) -> list[P
                     st = path.lstat()
                 except OSError:
                     continue
-                if st.st_uid != os.geteuid() or holder_alive(path):
+                if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
                     continue
+                young = time.time() - st.st_mtime < _TRANSIENT_AGE
+                if (path.name.endswith(_TRANSIENT) and young) or holder_alive(path):
+                    continue  # a record being published is locked only once it was created
                 if not dry_run:
                     with contextlib.suppress(FileNotFoundError):
                         path.unlink()

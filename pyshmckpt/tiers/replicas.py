@@ -74,7 +74,9 @@ def send(
     """
     segment = record["segment"]
     sent = {k: v for k, v in record.items() if k not in _LOCAL}
-    fd = os.open(SHM_DIR / str(segment["name"]), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    fd = os.open(
+        SHM_DIR / str(segment["name"]), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    )
     try:
         channel.send_message({"kind": "replica", "record": sent}, deadline)
         channel.send_file(fd, int(segment["offset"]), int(record["data_bytes"]), deadline, moved)
@@ -159,7 +161,7 @@ def receive(
     if segment is None:
         try:
             segment = Segment.create(max(data_bytes, 1), knobs.segment_prefix(), False)
-        except OSError as exc:
+        except (OSError, ValueError, TypeError, OverflowError) as exc:  # no room; no such size
             raise ReplicationError(
                 f"no room here for a copy of {data_bytes} bytes: {exc}"
             ) from None

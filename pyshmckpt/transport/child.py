@@ -320,7 +320,12 @@ def writer_main(
             watch.died()
             break
         if request.kind is Kind.KEEP:
-            watch.kept.receive(conn, request)
+            try:
+                watch.kept.receive(conn, request)
+            except ProtocolError:  # out of step with the trainer: it restarts a writer
+                logger.exception("the control channel is out of step: this writer stops")
+                replication.release_all()
+                return
         elif request.kind in (Kind.WRITE, Kind.CALL):
             watch.busy(True)
             outbox.send(_serve(request, writer, attached, views))
@@ -345,8 +350,10 @@ def writer_main(
                     close()
                 except BaseException:
                     error = traceback.format_exc()
-            with contextlib.suppress(Exception):  # the job ends: replicas held here too
+            try:  # the job ends: replicas held here too
                 replication.release_all()
+            except Exception:
+                logger.exception("freeing the replicas held here failed (collected as stale later)")
             outbox.send(Response(Kind.TERMINATE, request.id, ok=error is None, error=error))
             # Done: skip the interpreter's teardown (with torch loaded it can outlast a short
             # shutdown timeout and draw a SIGTERM).
@@ -393,7 +400,7 @@ def _finish_orphaned(
         while conn.poll(0):
             request = conn.recv()
             if request.kind is Kind.KEEP:  # until its slots are attached, below
-                watch.kept.receive(conn, request)
+                watch.kept.receive(conn, request)  # raises when the rest is out of step
             requests.append(request)
     except Exception as exc:  # noqa: BLE001 - EOF, or a request cut short by the death
         logger.info("the rest of the channel is unreadable (cut short by the death): %r", exc)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import socket
 import threading
 from collections.abc import Iterable
@@ -30,19 +31,27 @@ logger = logging.getLogger(__name__)
 
 # The byte each descriptor message carries (a message with descriptors must carry data).
 _MARK = b"k"
+# Seconds the descriptors may take to follow their request.
+_FOLLOW = 10.0
 
 
 def hand_over(conn: Connection, descriptors: dict[str, int]) -> bool:
     """Send a KEEP request naming `descriptors`' segments, then the descriptors themselves;
-    False when the writer is gone (nothing to keep then)."""
+    False when the writer is gone (nothing to keep then).
+
+    Raises:
+        OSError: nothing was sent (no descriptor to spare for the socket here).
+        ProtocolError: the request went out and its descriptors could not: the channel is out
+            of step, the caller must stop this writer.
+    """
     names = sorted(descriptors)
-    if not send(conn, Request(Kind.KEEP, 0, payload={"names": names})):
-        return False
-    try:
-        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # before anything is sent
+        if not send(conn, Request(Kind.KEEP, 0, payload={"names": names})):
+            return False
+        try:
             socket.send_fds(sock, [_MARK], [descriptors[name] for name in names])
-    except OSError:
-        return False
+        except OSError as exc:
+            raise ProtocolError(f"the descriptors of {names} could not follow: {exc}") from exc
     return True
 
 
@@ -54,16 +63,23 @@ class Kept:
         self._lock = threading.Lock()
 
     def receive(self, conn: Connection, request: Request) -> None:
-        """Take the descriptors that follow `request` (a KEEP) on `conn`; what cannot be taken
-        is logged (the writes naming those segments still work: they attach them by name)."""
+        """Take the descriptors that follow `request` (a KEEP) on `conn`, waiting for them at most
+        `_FOLLOW` seconds (the trainer sends them right after the request).
+
+        Raises:
+            ProtocolError: they did not come, or not as many as named: the channel is out of
+                step with the trainer (what it sends next cannot be read as sent).
+        """
         names = list(request.payload.get("names", ()))
         try:
             self._receive(conn, names)
-        except (OSError, ProtocolError) as exc:
-            logger.error("the trainer's segments %s were not handed over: %s", names, exc)
+        except OSError as exc:
+            raise ProtocolError(f"the descriptors of {names} did not come: {exc}") from exc
 
     def _receive(self, conn: Connection, names: list[str]) -> None:
         with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            if not select.select([sock], [], [], _FOLLOW)[0]:
+                raise ProtocolError(f"the descriptors of {names} did not follow in {_FOLLOW:g} s")
             _, fds, _, _ = socket.recv_fds(sock, len(_MARK), max(1, len(names)))
         if len(fds) != len(names):
             for fd in fds:

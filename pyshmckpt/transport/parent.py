@@ -40,7 +40,7 @@ from ..errors import (
     WriteStalledError,
     WriteTimeoutError,
 )
-from . import keeper, launcher, logs
+from . import keeper, launcher, logs, suspension
 from .channel import (
     Closed,
     Kind,
@@ -79,11 +79,9 @@ _SPAWN_HINT = (
 )
 
 
-# Longest wait of the dispatcher while a deadline is ahead, and how much later than asked it may
-# wake before it counts as stopped rather than busy (a loaded node delays a thread by a second
-# or two).
+# Longest wait of the dispatcher while a deadline is ahead: it looks at least that often
+# whether this process was stopped (see `suspension`).
 _TICK = 1.0
-_PAUSED = 3.0
 
 
 class WriterProcess:
@@ -384,10 +382,26 @@ class WriterProcess:
         """Hand the child the descriptors of the segments (by name) it was not handed yet, so
         that they stay alive whatever happens to this process before the child reads a request
         naming them (see `keeper`). Nothing when the child is gone."""
+        failure = None
         with self._lock:  # never inside another message on the channel
+            self._kept &= set(descriptors)  # the others were retired (their names never return)
             new = {n: fd for n, fd in descriptors.items() if n not in self._kept}
-            if new and self._conn is not None and keeper.hand_over(self._conn, new):
-                self._kept.update(new)
+            if not new or self._conn is None:
+                return
+            try:
+                if keeper.hand_over(self._conn, new):
+                    self._kept.update(new)
+            except OSError as exc:  # nothing sent: the next write tries again
+                logger.warning(
+                    "cannot hand the writer its slots' descriptors (%s): a trainer's death "
+                    "before the writer reads this write may let another job collect them", exc,
+                )  # fmt: skip
+            except ProtocolError as exc:
+                failure = self._failure = self._connection_error(str(exc))
+        if failure is not None:
+            self._wake()
+            self.kill(str(failure))
+            raise failure
 
     def submit_call(
         self, method: str | Callable[..., Any], kwargs: dict[str, Any], timeout: float | None
@@ -597,6 +611,7 @@ class WriterProcess:
         conn, process = self._conn, self._process
         if conn is None or process is None:
             return
+        stops = suspension.clock()  # ticking from now on: it sees the stops to come
         checked = time.monotonic()  # when deadlines were last checked
         while True:
             with self._lock:
@@ -648,8 +663,9 @@ class WriterProcess:
                     logger.warning("%s: %d write(s) failed", died, writes)
                 self._fail_pending(died)
                 return
-            if timeout is not None:  # since the last check: one wait of `timeout`, and no more
-                self._count_pause(time.monotonic() - checked - timeout)
+            if timeout is not None and time.monotonic() - checked - timeout > suspension.PAUSED:
+                # Late: this process was stopped, or only busy (the clock's thread tells which).
+                self._count_pause(stops.stopped_since(checked))
             if self._expire():
                 return
             checked = time.monotonic()
@@ -721,11 +737,10 @@ class WriterProcess:
         return max(self._activity, in_hand.sent) + self._stall_timeout + self._paused
 
     def _count_pause(self, late: float) -> None:
-        """The dispatcher checks deadlines `late` seconds after it meant to: beyond `_PAUSED`,
-        this process was not running (stopped by SIGSTOP, frozen with its job or node). Its writer was
-        stopped with it as a rule (a job's, a node's suspension): that time counts against
-        neither a write's deadline nor its stall timeout."""
-        if late <= _PAUSED:
+        """This process was not running for `late` seconds (stopped by SIGSTOP, frozen with its
+        job or node). Its writer was stopped with it as a rule (a job's, a node's suspension):
+        that time counts against neither a write's deadline nor its stall timeout."""
+        if late <= 0:
             return
         with self._lock:
             self._paused += late

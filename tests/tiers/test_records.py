@@ -48,8 +48,9 @@ def as_nobody(code: str, *args: str) -> None:
 def plant(prefix: str, key: str) -> list[str]:
     """As nobody: a forged record and a pending one at names of `key`'s records, a link to a file
     of ours, the record name a holder would take without a token of its own, a temporary of a
-    guessed name, and the temporaries named after the pids the next processes will get (what a
-    name made of a pid would meet). Returns their names."""
+    guessed name, the temporaries named after the pids the next processes will get (what a
+    name made of a pid would meet), and FIFOs (an open of one for reading waits for a writer).
+    Returns their names."""
     forged = {"version": records.RECORD_VERSION, "root": "/", "rank": 0, "name": "forged",
               "staged_ns": 2**62, "pending": False, "segment": {"name": "x", "size": 1,
               "token": "00" * 16, "offset": 4096}}  # fmt: skip
@@ -59,6 +60,8 @@ def plant(prefix: str, key: str) -> list[str]:
         f"{prefix}-held-{key}-{'b' * 32}",
         f"{prefix}-held-{key}-link",
         f"{prefix}-held-{key}-{'c' * 32}.{'d' * 16}.tmp",
+        f"{prefix}-held-{key}-fifo",
+        f"{prefix}-replica-{key}-fifo",
     ]
     next_pid = int(Path("/proc/sys/kernel/ns_last_pid").read_text()) + 1
     names += [f"{prefix}-held-{key}.{pid}.tmp" for pid in range(next_pid, next_pid + PIDS)]
@@ -73,7 +76,10 @@ def plant(prefix: str, key: str) -> list[str]:
                     f.write(body)
                 os.chmod(os.path.join(shm, name), 0o644)
             os.symlink("/etc/hostname", os.path.join(shm, names[3]))
-            for name in names[4:]:
+            open(os.path.join(shm, names[4]), "w").close()
+            for name in names[5:7]:
+                os.mkfifo(os.path.join(shm, name), 0o666)
+            for name in names[7:]:
                 open(os.path.join(shm, name), "w").close()
             """
         ),
@@ -83,12 +89,14 @@ def plant(prefix: str, key: str) -> list[str]:
 
 
 @ROOT_ONLY
+@pytest.mark.timeout(RUN_TIMEOUT)
 def test_names_another_user_planted_do_not_stop_a_record_nor_are_taken_for_ours(tmp_path):
     prefix = os.environ["PYSHMCKPT_SEGMENT_PREFIX"]
     root = tmp_path / "root"
     names = plant(prefix, records.hold_key(root, 0))
     try:
-        assert records.find(root, 0) is None  # theirs are not ours
+        assert records.find(root, 0) is None  # theirs are not ours (nor waited on: the FIFOs)
+        assert records.holds() == []
         assert records.wait_for_holders(root, 0, 0.0)  # their "pending" one does not hold us
         info = records.HoldInfo(str(root), 0, 1, "ours", 5, False, 60.0, None, False)
         path = records.publish(records.pending_record(info), os.getpid(), None, None)
@@ -104,7 +112,8 @@ def test_names_another_user_planted_do_not_stop_a_record_nor_are_taken_for_ours(
         assert claimed is not None
         assert claimed["name"] == "ours"
         assert records.find(root, 0) is None
-        assert sorted(p.name for p in SHM.glob(f"{prefix}-held-*")) == sorted(names)
+        planted = sorted(n for n in names if "-held-" in n)
+        assert sorted(p.name for p in SHM.glob(f"{prefix}-held-*")) == planted
     finally:
         for name in names:
             (SHM / name).unlink(missing_ok=True)
@@ -178,6 +187,26 @@ TRAINER = textwrap.dedent(
     os.kill(os.getpid(), signal.SIGKILL)
     """
 )
+
+
+def test_collection_leaves_a_record_being_published(tmp_path):
+    """A temporary of a record not locked yet (its publisher between creating and locking it)
+    is left alone; one left by a publisher that died long ago is removed."""
+    prefix = os.environ["PYSHMCKPT_SEGMENT_PREFIX"]
+    key = records.hold_key(tmp_path, 0)
+    young = SHM / f"{prefix}-held-{key}-{'e' * 32}.{'f' * 16}.tmp"
+    old = SHM / f"{prefix}-held-{key}-{'e' * 32}.{'0' * 16}.tmp"
+    try:
+        for path in (young, old):
+            path.write_bytes(b"{}")
+            path.chmod(0o600)
+        an_hour_ago = time.time() - 3600
+        os.utime(old, (an_hour_ago, an_hour_ago))
+        assert records.collect_stale() == [old]
+        assert young.exists()
+    finally:
+        young.unlink(missing_ok=True)
+        old.unlink(missing_ok=True)
 
 
 @ROOT_ONLY

@@ -65,13 +65,13 @@ def crafted(record, **changes):
     return sent
 
 
-def huge_header(record):
-    """A header whose one tensor holds 2**50 bytes."""
+def huge_header(record, nbytes=1 << 50):
+    """A header whose one tensor holds `nbytes` bytes."""
     raw = base64.b64decode(record["header"])
     (length,) = np.frombuffer(raw[:8], dtype="<u8")
     header = json.loads(raw[8 : 8 + int(length)])
     header = {k: v for k, v in header.items() if k == "__metadata__" or k == "w"}
-    header["w"] = {"dtype": "F32", "shape": [1 << 48], "data_offsets": [0, 1 << 50]}
+    header["w"] = {"dtype": "F32", "shape": [nbytes // 4], "data_offsets": [0, nbytes]}
     body = json.dumps(header).encode()
     return base64.b64encode(len(body).to_bytes(8, "little") + body).decode()
 
@@ -119,10 +119,13 @@ def test_a_copy_of_another_rank_or_checkpoint_than_asked_is_refused():
             assert reason in str(outcome)
 
 
-def test_a_copy_larger_than_this_node_can_hold_is_refused():
+@pytest.mark.parametrize("nbytes", [1 << 50, 1 << 63, (1 << 64) + 4096])
+def test_a_copy_larger_than_this_node_can_hold_is_refused(nbytes):
+    """Larger than /dev/shm, than a segment may be, than a size fits in 64 bits: refused with a
+    typed error, nothing allocated."""
     secret = wire.new_secret()
     with held_checkpoint(np.arange(1 << 12, dtype=np.float32)) as record:
-        sent = crafted(record, header=huge_header(record), data_bytes=1 << 50)
+        sent = crafted(record, header=huge_header(record, nbytes), data_bytes=nbytes)
         sent["described"] = dict(sent["described"], entries={"w": {"crc32c": 0}})
         with Server(receive, secret) as server, server.connect(secret) as channel:
             channel.send_message({"kind": "replica", "record": sent}, wire.Deadline(TIMEOUT))

@@ -1,0 +1,67 @@
+"""pyshmckpt/transport/suspension.py: the time a process was stopped, told apart from a thread
+of it that was only busy or blocked."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+from pyshmckpt.transport import suspension
+
+from helpers import child_env
+
+# Reports once a clock ticks, then, when asked, how long it was stopped since it started.
+STOPPED = textwrap.dedent(
+    """
+    import sys, time
+
+    from pyshmckpt.transport import suspension
+
+    stops = suspension.clock()
+    started = time.monotonic()
+    time.sleep(2 * suspension.TICK)
+    print("ticking", flush=True)
+    sys.stdin.readline()
+    print(round(stops.stopped_since(started), 1), flush=True)
+    """
+)
+
+
+def test_a_stopped_process_counts_the_time_it_was_stopped():
+    child = subprocess.Popen(
+        [sys.executable, "-c", STOPPED], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True, env=child_env(),
+    )  # fmt: skip
+    try:
+        assert child.stdout.readline().strip() == "ticking"  # type: ignore[union-attr]
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(suspension.PAUSED + 2.0)
+        os.kill(child.pid, signal.SIGCONT)
+        out, _ = child.communicate("\n", timeout=60)
+    finally:
+        child.kill()
+        child.wait(60)
+    assert suspension.PAUSED + 1.0 < float(out) < suspension.PAUSED + 10.0, out
+
+
+def test_a_thread_blocked_or_busy_is_not_a_stop():
+    stops = suspension.clock()
+    started = time.monotonic()
+    blocker = threading.Lock()
+    blocker.acquire()
+
+    def waits() -> None:  # blocked for longer than a stop would take to count
+        blocker.acquire(timeout=suspension.PAUSED + 1.0)
+
+    thread = threading.Thread(target=waits)
+    thread.start()
+    thread.join()
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:  # and busy
+        pass
+    assert stops.stopped_since(started) == 0.0
