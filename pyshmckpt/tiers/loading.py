@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointCorruptError, ConfigError
+from ..errors import CheckpointCorruptError, ConfigError, PyshmckptError, RestoreError
 from ..storage import reader
 from ..storage.rank_files import OpenedRank, checkpoint_dir, open_rank
 from ..storage.safetensors_writer import file_names
@@ -117,8 +117,10 @@ def load(
             that need bytes of other ranks' shards (another world size or sharding: a memory
             copy holds only this rank's shards; nothing is written then).
         PyshmckptOSError: a file exists but cannot be opened or mapped.
-        RestoreError: several ranks load a root and one did not take part in the agreement
-            (failed, left, or did not call `load` within ``PYSHMCKPT_RESTORE_TIMEOUT``).
+        RestoreError: several ranks load a root and another rank could not restore the agreed
+            checkpoint (its reason is in the message; that rank raises its own error), or one
+            did not take part in the agreement (failed, left, or did not call `load` within
+            ``PYSHMCKPT_RESTORE_TIMEOUT``).
         ConfigTypeError: `rank` is not an int.
     """
     if cupy_as not in ("cupy", "numpy"):
@@ -168,6 +170,7 @@ def _load_agreed(
                 path, whose, source=source, process_group=group, distrust=distrust, me=rank
             )
             result, failure, again = None, None, False
+            own: BaseException | None = None  # what this rank met, raised as it is
             memory = choice.opened is not None
             used = whose
             try:
@@ -183,13 +186,18 @@ def _load_agreed(
                 again = memory and not choice.verified
                 what = f"its memory copy of {choice.name}" if again else choice.name
                 failure = restore.unusable(whose, f"{what}: {exc}") if again else str(exc)
-            failed = restore.confirm(group, rank, failure, again)
+                own = None if again else exc
+            except (PyshmckptError, OSError) as exc:  # into= that does not fit, a file unreadable
+                failure, own = f"{type(exc).__name__}: {exc}", exc
+            failed = restore.confirm(group, rank, failure, again)  # every rank learns it
             if not failed:
                 return result
             fatal = {r: why for r, (why, retry) in failed.items() if not retry or r in distrust}
             if fatal:
+                if own is not None:
+                    raise own
                 r, why = min(fatal.items())
-                raise CheckpointCorruptError(str(path), f"rank {r} cannot restore: {why}")
+                raise RestoreError(f"rank {r} cannot restore {path}: {why}")
             distrust.update({r: why for r, (why, _) in failed.items()})
     finally:
         if process_group is None:

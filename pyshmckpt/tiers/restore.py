@@ -324,7 +324,7 @@ def _held(root: Path, rank: int) -> tuple[OpenedRank | None, dict[str, Any] | No
         return None, None, "none held in memory"
     try:
         opened = open_held(record)
-    except CheckpointCorruptError as exc:
+    except (PyshmckptError, OSError) as exc:  # gone, damaged, or not to be mapped here
         return None, None, unusable(rank, f"its memory copy of {record.get('name')}: {exc}")
     return opened, record, f"holds {record.get('name')} in memory"
 
