@@ -425,22 +425,6 @@ another entry's, that the caller keeps alive and leaves alone until this returns
       },
       py::arg("num_threads"));
   m.def(
-      "populate",
-      [](std::uintptr_t address, std::size_t nbytes) {
-        if (address == 0) throw ArgumentError("populate needs a non-null address");
-        py::gil_scoped_release release;
-        populate_pages(reinterpret_cast<std::uint8_t*>(address), nbytes, "");
-      },
-      py::arg("address"), py::arg("nbytes"),
-      R"doc(
-Fault in the pages of a shared mapping in parallel so later accesses take no page faults.
-SAFETY: `address` must point into a live writable shared mapping of at least `nbytes` bytes
-(for example a torch shared storage); the caller keeps its owner alive until this returns, and
-has reserved its pages in the file (fallocate): where the kernel lacks MADV_POPULATE_WRITE each
-page is touched, and a page a full file system cannot hold is a SIGBUS. A segment's own pages:
-Segment.populate, which reserves them first.
-)doc");
-  m.def(
       "_force_populate_fallback", &force_populate_fallback, py::arg("forced"),
       "For tests: with forced=True, act as on kernels without MADV_POPULATE_READ/_WRITE (pages\n"
       "touched one by one) in this process until called with False.");

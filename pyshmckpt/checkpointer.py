@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from . import knobs
+from . import _processes, knobs
 from .errors import (
     ClosedError,
     CommitError,
@@ -37,7 +37,6 @@ from .errors import (
     os_error,
 )
 from .shm.native import Segment
-from .shm.stale import parent_pid, process_start_ticks
 from .staging import SlotStager
 from .storage import commit, liveness, shared_commit, tree_codec, writer_spec
 from .tiers import holding, loading, records, replication, restore, topology, wire
@@ -101,17 +100,6 @@ def _run_id(given: str | None, world_size: int, process_group: Any) -> str:
     if process_group is None:
         dist.destroy_process_group(group)
     return str(drawn[0])
-
-
-def _launcher() -> tuple[int, int] | None:
-    """(pid, start ticks) of the launcher whose end ends the job: torchrun's elastic agent,
-    which starts each worker in a session of its own (the worker, or a wrapper of it, leads
-    that session, and its parent is the agent); None outside torchrun."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return None
-    agent = parent_pid(os.getsid(0))
-    ticks = process_start_ticks(agent) if agent is not None and agent > 1 else None
-    return (agent, ticks) if agent is not None and ticks is not None else None
 
 
 def _dying_of_an_exception() -> bool:
@@ -298,7 +286,7 @@ class Checkpointer:
             raise ConfigError(f"hold_timeout must be a number >= 0, not {hold_timeout!r}")
         self._hold_timeout = float(hold_timeout)
         self._real_root = os.path.realpath(self.root)
-        self._agent = _launcher()
+        self._agent = _processes.launcher()
         if replicate and not self._hold:
             raise ConfigError("replicate=True replicates the checkpoint held in memory: needs hold")
         plain_only = spec.needs_plain_leaves and not self._allow_pickle
@@ -306,6 +294,7 @@ class Checkpointer:
         base = CheckpointProcessConfig.starting_in_background(config)
         if stall_timeout is not None:
             base = dataclasses.replace(base, write_stall_timeout_secs=stall_timeout)
+        self._config = base
         # The writer process starts first: it initializes while the arena is being created.
         # A writer importable by module name starts in a fresh interpreter, without the
         # trainer's __main__: the default one then never loads torch (small, quick to start).
@@ -390,7 +379,7 @@ class Checkpointer:
             buddy=(buddy.address, buddy.port) if buddy is not None else None,
             buddy_rank=buddy.rank if buddy is not None else None,
             secret=secret, timeout=self._replica_timeout(), hold_timeout=self._hold_timeout,
-            agent=self._agent, stall_timeout=self._process._config.write_stall_timeout_secs,
+            agent=self._agent, stall_timeout=self._config.write_stall_timeout_secs,
         )  # fmt: skip
         # Listening before the first save: another node's first replica may come sooner.
         self._process.call(replication.listen, config=config).result(
@@ -408,7 +397,7 @@ class Checkpointer:
     def _replica_timeout(self) -> float:
         """Seconds one replication may take: the setting, within half the write timeout (a
         memory-only save's write is the replication alone, and must never time out for it)."""
-        write_timeout = self._process._config.write_timeout_secs
+        write_timeout = self._config.write_timeout_secs
         timeout = knobs.replica_timeout()
         return timeout if write_timeout is None else min(timeout, write_timeout / 2)
 

@@ -30,6 +30,7 @@ LAYERS = [
             "pyshmckpt._log",
             "pyshmckpt._lazy",
             "pyshmckpt._gc",
+            "pyshmckpt._processes",
             "pyshmckpt._unfilled",
             "pyshmckpt._torch_private",
         },

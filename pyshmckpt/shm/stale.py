@@ -69,25 +69,6 @@ def read_header(raw: bytes) -> SegmentHeader | None:
     return SegmentHeader(header_size, size, token, pid, ticks)
 
 
-def parent_pid(pid: int) -> int | None:
-    """The parent of process `pid`, or None when there is no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    return int(stat[stat.rfind(")") + 2 :].split()[1])  # field 4 of the line
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot, or None when there is no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return int(fields[19])  # field 22 of the line; fields[0] is field 3
-
-
 def inspect_segment(name: str) -> SegmentInfo | None:
     """Creator and staleness of one of our segments, or None if `name` is not one of ours (not
     this user's, not a regular file, or gone). Judged by its lock (see the module); a stale

@@ -24,15 +24,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 import signal
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._processes import Launcher
 from ..shm import AttachedSegments, SlotAddress
-from ..shm.stale import process_start_ticks
 from . import records
 from .records import HoldInfo
 
@@ -43,43 +42,6 @@ logger = logging.getLogger(__name__)
 
 # How often a holding writer checks for a claim, its timeout and the launcher.
 _POLL = 0.2
-
-
-class Launcher:
-    """The process whose end ends the hold (torchrun's elastic agent), watched through a pidfd
-    opened while the trainer runs: its pid is checked against its start time once, when the
-    pidfd is opened, and from then on its end is the pidfd's, whatever pid reuse follows."""
-
-    def __init__(self, process: tuple[int, int]) -> None:
-        self.process = process
-        self._fd: int | None = None
-        self._gone = False
-        pid, ticks = process
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            self._gone = True
-            return
-        except (OSError, AttributeError):
-            return  # no pidfd here (Linux before 5.3): its start time tells instead
-        now = process_start_ticks(pid)
-        if now is None or (ticks and now != ticks):  # it had ended and its pid was reused
-            os.close(fd)
-            self._gone = True
-            return
-        self._fd = fd
-
-    def gone(self) -> bool:
-        if self._gone:
-            return True
-        if self._fd is None:
-            pid, ticks = self.process
-            now = process_start_ticks(pid)
-            self._gone = now is None or bool(ticks and now != ticks)
-        else:
-            readable, _, _ = select.select([self._fd], [], [], 0)
-            self._gone = bool(readable)
-        return self._gone
 
 
 class Holder:

@@ -47,7 +47,7 @@ class Offer(NamedTuple):
 def held_here(root: str | os.PathLike[str], rank: int) -> dict[str, Any] | None:
     """The newest checkpoint of (root, rank) held on this node, its own hold or a replica."""
     found = [r for r in (records.find(root, rank), replicas.find(root, rank)) if r is not None]
-    return max(found, key=lambda r: int(r.get("staged_ns", 0))) if found else None
+    return max(found, key=records.staged_ns) if found else None
 
 
 def offers(root: str | os.PathLike[str], world_size: int, rank: int) -> list[Offer]:
@@ -69,7 +69,7 @@ def offers(root: str | os.PathLike[str], world_size: int, rank: int) -> list[Off
     for other in sorted(ranks):
         record = held_here(root, other)
         if record is not None:
-            out.append(Offer(other, str(record.get("name", "")), int(record.get("staged_ns", 0))))
+            out.append(Offer(other, str(record.get("name", "")), records.staged_ns(record)))
     return out
 
 

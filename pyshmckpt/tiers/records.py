@@ -287,10 +287,12 @@ def live_records(
         record = read_record(path)
         if record is not None and holder_alive(path):
             found.append((path, record))
-    return sorted(found, key=lambda pr: _staged(pr[1]), reverse=True)
+    return sorted(found, key=lambda pr: staged_ns(pr[1]), reverse=True)
 
 
-def _staged(record: dict[str, Any]) -> int:
+def staged_ns(record: dict[str, Any]) -> int:
+    """When a record's checkpoint was staged (`time.time_ns` on its trainer; 0 when it does not
+    say)."""
     try:
         return int(record.get("staged_ns", 0))
     except (TypeError, ValueError):

@@ -182,8 +182,8 @@ class ReplicaServer:
             mine = self._kept.get(key)
             others = [(p, r) for p, r in replicas.replicas_of(*key) if p != path]
             held = [r for _, r in others] + ([mine.record] if mine is not None else [])
-            newest = max(held, key=_staged, default=None)
-            if newest is not None and _staged(newest) > staged:
+            newest = max(held, key=records.staged_ns, default=None)
+            if newest is not None and records.staged_ns(newest) > staged:
                 return (
                     f"this node holds rank {key[1]}'s {newest.get('name')!r}, staged after "
                     f"{record.get('name')!r}"
@@ -258,13 +258,6 @@ class ReplicaServer:
             with contextlib.suppress(OSError):
                 item.segment.disown()
                 item.segment.close()
-
-
-def _staged(record: dict[str, Any]) -> int:
-    try:
-        return int(record.get("staged_ns", 0))
-    except (TypeError, ValueError):
-        return 0
 
 
 def _named(segment: Segment) -> bool:

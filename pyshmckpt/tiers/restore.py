@@ -378,7 +378,7 @@ def _options(
             if n != held
         ]
     if record is not None and held:
-        out.append(Option(held, int(record.get("staged_ns", 0)), True))
+        out.append(Option(held, records.staged_ns(record), True))
     return out
 
 

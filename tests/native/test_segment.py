@@ -7,7 +7,6 @@ creates (``with`` or try/finally).
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import hashlib
@@ -1494,35 +1493,6 @@ def test_set_num_threads_out_of_range(n):
 
 def test_num_threads_default_is_sane():
     assert 1 <= _C.num_threads() <= 256
-
-
-def test_populate_preserves_segment_contents():
-    with _C.Segment.create(MIB) as seg:
-        data = fill_random(seg, seed=16)
-        _C.populate(seg.address + seg.data_offset, seg.size)
-        _C.populate(seg.address + seg.data_offset + 1, 100)  # unaligned start
-        _C.populate(seg.address, 0)
-        assert contents(seg)[seg.data_offset :] == data
-
-
-def test_populate_faults_in_a_fresh_shared_mapping():
-    size = 2 * MIB
-    region = mmap.mmap(-1, size)  # MAP_SHARED | MAP_ANONYMOUS, nothing touched yet
-    try:
-        anchor = ctypes.c_char.from_buffer(region)
-        address = ctypes.addressof(anchor)
-        del anchor
-        assert resident_bytes(address) == 0
-        _C.populate(address, size)
-        assert resident_bytes(address) == size
-        assert region[:] == bytes(size)
-    finally:
-        region.close()
-
-
-def test_populate_rejects_null():
-    with pytest.raises(ValueError, match="null"):
-        _C.populate(0, PAGE)
 
 
 # --------------------------------------------------------------------------------------------------

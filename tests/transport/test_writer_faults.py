@@ -43,6 +43,7 @@ from pyshmckpt import (
     WriterStartTimeoutError,
     WriteStalledError,
     WriteTimeoutError,
+    _processes,
 )
 from pyshmckpt.shm import stale
 from pyshmckpt.transport import parent as writer_process
@@ -1030,7 +1031,7 @@ def test_stale_segments_of_dead_owners_are_collected_and_live_ones_kept(tmp_path
         orphan = _make_orphan_segment(prefix)
         created.append(orphan)
         # Our own pid with another start time: the pid was reused by a new process.
-        ticks = stale.process_start_ticks(os.getpid())
+        ticks = _processes.process_start_ticks(os.getpid())
         assert ticks is not None
         reused = _fake_header_segment(prefix, os.getpid(), ticks + 1)
         created.append(reused)
