@@ -39,7 +39,7 @@ from .errors import (
 from .shm.native import Segment
 from .staging import SlotStager
 from .storage import commit, liveness, shared_commit, tree_codec, writer_spec
-from .tiers import holding, loading, records, replication, restore, topology, wire
+from .tiers import holding, loading, records, replication, takeover, topology
 from .tiers.records import HoldInfo
 from .tiers.replication import ReplicaConfig
 from .transport import CheckpointProcess, CheckpointProcessConfig, RankInfo, no_init
@@ -320,7 +320,11 @@ class Checkpointer:
                 raise
         # A checkpoint held in memory for this root and rank (its trainer died) becomes this
         # Checkpointer's first slot: no allocation, no copy, and it stays loadable.
-        taken = self._claim_held(capacity_bytes) if self._hold else None
+        taken = (
+            takeover.claim(self.root, self.rank, capacity_bytes, collective=self.world_size > 1)
+            if self._hold
+            else None
+        )
         self._taken: dict[str, Any] | None = None
         try:
             self._stager = SlotStager(
@@ -349,7 +353,7 @@ class Checkpointer:
 
     def _replicate(self, process_group: Any) -> ReplicaConfig | None:
         """Learn the nodes and this rank's buddy with the other ranks (collective), and have
-        the writer listen for replicas; the config each save hands over (None: one node)."""
+        the writer listen for replicas; the config each save hands over."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or self.world_size < 2:
@@ -357,41 +361,15 @@ class Checkpointer:
                 "replicate=True copies checkpoints to another node: it needs torch.distributed "
                 "initialized with several ranks"
             )
-        address = wire.node_address()
-        try:
-            self._replica_port = topology.reserve_port(address)
-        except OSError as exc:
-            raise from_os_error(exc, f"cannot listen for replicas on {address}") from None
-        port = int(self._replica_port.getsockname()[1])
-        group = process_group if process_group is not None else dist.new_group(backend="gloo")
-        try:
-            peers, secret = topology.exchange(
-                self.rank, topology.Peer(self.rank, address, port), group
-            )
-        finally:
-            if process_group is None:
-                dist.destroy_process_group(group)
-        buddy = topology.buddy(self.rank, peers)
-        if buddy is None:
-            logger.warning("replicate=True, but every rank runs on one node: nothing is replicated")
-        config = ReplicaConfig(
-            listen=(address, port),
-            buddy=(buddy.address, buddy.port) if buddy is not None else None,
-            buddy_rank=buddy.rank if buddy is not None else None,
-            secret=secret, timeout=self._replica_timeout(), hold_timeout=self._hold_timeout,
-            agent=self._agent, stall_timeout=self._config.write_stall_timeout_secs,
+        config, self._replica_port = topology.join(
+            self.rank, process_group, timeout=self._replica_timeout(),
+            hold_timeout=self._hold_timeout, agent=self._agent,
+            stall_timeout=self._config.write_stall_timeout_secs,
         )  # fmt: skip
         # Listening before the first save: another node's first replica may come sooner.
         self._process.call(replication.listen, config=config).result(
             timeout=knobs.replica_timeout()
         )
-        if buddy is not None:
-            logger.info(
-                "replicating rank %d's checkpoints to rank %d (%s)",
-                self.rank,
-                buddy.rank,
-                buddy.address,
-            )
         return config
 
     def _replica_timeout(self) -> float:
@@ -400,34 +378,6 @@ class Checkpointer:
         write_timeout = self._config.write_timeout_secs
         timeout = knobs.replica_timeout()
         return timeout if write_timeout is None else min(timeout, write_timeout / 2)
-
-    def _claim_held(self, capacity_bytes: int | None) -> tuple[dict[str, Any], Segment] | None:
-        """Take the checkpoint held in memory for this root and rank away from the writer that
-        holds it, if its segment can serve as a slot: (record, attached segment), or None. A
-        writer still finishing its dead trainer's saves is waited for first (bounded): what it
-        will hold may be newer."""
-        records.wait_for_holders(self.root, self.rank, restore.orphan_wait(self.world_size > 1))
-        found = records.newest(self.root, self.rank)
-        if found is None:
-            return None
-        path, record = found
-        try:
-            info = record["segment"]
-            name, size, token = str(info["name"]), int(info["size"]), bytes.fromhex(info["token"])
-        except (KeyError, TypeError, ValueError):
-            return None
-        if capacity_bytes is not None and size < capacity_bytes:
-            return None  # too small a slot: left to its holder (still loadable, until it ends)
-        try:  # attached before it is claimed: from then on it is never collected as stale
-            segment = Segment.attach(name, size, token, map_pages=False)
-        except (OSError, ValueError) as exc:
-            logger.warning("cannot take over the checkpoint held in memory: %s", exc)
-            return None
-        claimed = records.claim(path)
-        if claimed is None or claimed.get("segment", {}).get("name") != name:
-            segment.close()  # another trainer took it first (attached only: the name stays)
-            return None
-        return claimed, segment
 
     def _adopt(self, record: dict[str, Any], segment: Segment) -> None:
         """Make a claimed segment the first slot, held; tell the writer it is the newest."""

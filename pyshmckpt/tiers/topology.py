@@ -21,7 +21,9 @@ import logging
 import socket
 from typing import Any
 
+from ..errors import from_os_error
 from . import wire
+from .replication import ReplicaConfig
 
 logger = logging.getLogger(__name__)
 
@@ -88,3 +90,55 @@ def buddy(rank: int, peers: list[Peer]) -> Peer | None:
                 following = grouped[(index + 1) % len(grouped)]
                 return following[local % len(following)]
     return None
+
+
+def join(
+    rank: int,
+    process_group: Any,
+    *,
+    timeout: float,
+    hold_timeout: float,
+    agent: tuple[int, int] | None,
+    stall_timeout: float | None,
+) -> tuple[ReplicaConfig, socket.socket]:
+    """Take part in replication as rank `rank` (collective over `process_group`, or a gloo
+    group made for it): reserve a port on this node's address, learn every rank's and the
+    job's secret, and find this rank's buddy. Returns the config each save of this rank hands
+    its writer, and the socket that holds the port reserved (close it when done).
+
+    Raises:
+        PyshmckptOSError: the port cannot be reserved on this node's address.
+    """
+    import torch.distributed as dist
+
+    address = wire.node_address()
+    try:
+        port_socket = reserve_port(address)
+    except OSError as exc:
+        raise from_os_error(exc, f"cannot listen for replicas on {address}") from None
+    try:
+        port = int(port_socket.getsockname()[1])
+        group = process_group if process_group is not None else dist.new_group(backend="gloo")
+        try:
+            peers, secret = exchange(rank, Peer(rank, address, port), group)
+        finally:
+            if process_group is None:
+                dist.destroy_process_group(group)
+    except BaseException:
+        port_socket.close()
+        raise
+    mate = buddy(rank, peers)
+    if mate is None:
+        logger.warning("replicate=True, but every rank runs on one node: nothing is replicated")
+    else:
+        logger.info(
+            "replicating rank %d's checkpoints to rank %d (%s)", rank, mate.rank, mate.address
+        )
+    config = ReplicaConfig(
+        listen=(address, port),
+        buddy=(mate.address, mate.port) if mate is not None else None,
+        buddy_rank=mate.rank if mate is not None else None,
+        secret=secret, timeout=timeout, hold_timeout=hold_timeout, agent=agent,
+        stall_timeout=stall_timeout,
+    )  # fmt: skip
+    return config, port_socket
