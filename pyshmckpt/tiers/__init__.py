@@ -2,11 +2,11 @@
 
 A checkpoint lives in up to three places, newest first: this node's memory (the slot a writer
 holds after its trainer died: `holding`, described by a hold record, `records`, read like a
-rank's files, `held`, and taken over by a new trainer, `takeover`), a replica in another node's memory (`replication` sends and keeps them,
-writer to writer, over `wire`; `replicas` moves one; `topology` says which node is whose buddy),
-and disk (the storage layer below). `restore` chooses the newest checkpoint every rank can
-restore and where each rank reads it (`peer_restore` fetches a copy from another node);
-`loading` is ``pyshmckpt.load``.
+rank's files, `held`, and taken over by a new trainer, `takeover`), a replica in another node's
+memory (`replication` sends and keeps them, writer to writer, over `wire`; `replicas` moves one;
+`topology` says which node is whose buddy), and disk (the storage layer below). `restore`
+chooses the newest checkpoint every rank can restore and where each rank reads it
+(`peer_restore` fetches a copy from another node); `loading` is ``pyshmckpt.load``.
 """
 
 from __future__ import annotations

@@ -42,10 +42,11 @@ class StopClock:
 
     def stopped_since(self, since: float) -> float:
         """Seconds this process was stopped after `since` (a `time.monotonic()` reading); waits
-        for the next tick (at most a few ticks), so that a stop that just ended is counted."""
+        for the next tick (at most `PAUSED` seconds), so that a stop that just ended is
+        counted."""
         asked = time.monotonic()
         with self._cond:
-            self._cond.wait_for(lambda: self._last >= asked, timeout=4 * TICK)
+            self._cond.wait_for(lambda: self._last >= asked, timeout=PAUSED)  # a busy node
             return sum(gap for end, gap in self._gaps if end > since)
 
 

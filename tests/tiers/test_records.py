@@ -147,7 +147,7 @@ def test_a_restore_waits_for_a_pending_holder_until_it_holds_or_dies(tmp_path, t
     root = tmp_path / "root"
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(root), then, "1.5"],
-        stdout=subprocess.PIPE, text=True, env=child_env(),
+        stdout=subprocess.PIPE, text=True, env=child_env(), cwd="/",  # not the checkout
     )  # fmt: skip
     try:
         assert holder.stdout is not None
@@ -218,7 +218,7 @@ def test_a_checkpoint_is_held_and_restored_beside_names_another_user_planted(tmp
     try:
         done = subprocess.run(
             [sys.executable, "-c", TRAINER, str(root)],
-            capture_output=True, text=True, env=child_env(), timeout=RUN_TIMEOUT,
+            capture_output=True, text=True, env=child_env(), cwd="/", timeout=RUN_TIMEOUT,
         )  # fmt: skip
         assert done.returncode == -signal.SIGKILL, done.stderr
         wait_until(lambda: records.find(root, 0) is not None, RUN_TIMEOUT, "the hold")

@@ -113,7 +113,7 @@ def other_holder(record: dict, name: str, staged_ns: int) -> Iterator[str]:
     sent.update(name=name, staged_ns=staged_ns)
     with subprocess.Popen(
         [sys.executable, "-c", HOLDER, json.dumps(sent)], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, text=True, env=child_env(),
+        stdout=subprocess.PIPE, text=True, env=child_env(), cwd="/",  # not the checkout
     ) as process:  # fmt: skip
         try:
             yield process.stdout.readline().strip()
@@ -215,7 +215,7 @@ def test_a_stopped_buddy_costs_a_save_a_bounded_time():
     buddy = ("127.0.0.1", reserved.getsockname()[1])
     process = subprocess.Popen(
         [sys.executable, "-c", STOPPABLE, *map(str, buddy), SECRET], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, text=True, env=child_env(),
+        stdout=subprocess.PIPE, text=True, env=child_env(), cwd="/",  # not the checkout
     )  # fmt: skip
     try:  # closed below, as `with Popen` would
         assert process.stdout.readline().strip() == "listening"

@@ -414,7 +414,7 @@ def test_the_listener_outlives_accept_errors_and_failed_thread_starts(tmp_path):
     secret = wire.new_secret()
     process = subprocess.Popen(
         [sys.executable, "-c", LISTENER, secret], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env=child_env(),
+        stderr=subprocess.PIPE, text=True, env=child_env(), cwd="/",  # not the checkout
     )  # fmt: skip
     try:
 
@@ -536,7 +536,7 @@ def test_encryption_without_cryptography_names_the_extra():
     )
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=TIMEOUT,
-        env=child_env(),
+        env=child_env(), cwd="/",  # not the checkout, whose source tree has no extension
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "pyshmckpt[encrypt]" in done.stdout
