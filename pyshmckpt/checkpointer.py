@@ -607,6 +607,7 @@ class Checkpointer:
         map_location: str | Any = "cpu",
         source: str = "auto",
         process_group: Any = None,
+        missing_ok: bool = False,
     ) -> Any:
         """Load the newest checkpoint every rank can restore, from memory or disk.
 
@@ -621,12 +622,15 @@ class Checkpointer:
             map_location: the device the tensors are placed on.
             source: ``"auto"``, ``"memory"`` or ``"disk"`` (see `pyshmckpt.load`).
             process_group: the group the ranks agree over (None: a gloo group made for it).
+            missing_ok: return None when no rank has any checkpoint to restore (a job's first
+                start) instead of raising `CheckpointNotFoundError`.
 
         Returns:
-            The state dict, or `into` once filled.
+            The state dict, or `into` once filled; None when nothing is found and `missing_ok`.
 
         Raises:
             ClosedError: the Checkpointer is closed.
+            CheckpointNotFoundError: no rank has any checkpoint to restore, unless `missing_ok`.
             CheckpointCorruptError: nothing every rank can restore, or a damaged checkpoint.
             CheckpointMismatchError: `into` does not match the checkpoint.
         """
@@ -638,7 +642,7 @@ class Checkpointer:
         return loading.load(
             self.root, rank=None if distributed else self.rank, into=into,
             map_location=map_location, allow_pickle=self._allow_pickle, source=source,
-            process_group=process_group,
+            process_group=process_group, missing_ok=missing_ok,
         )  # fmt: skip
 
     def remove(self, name: str) -> Future[None]:

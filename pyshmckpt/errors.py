@@ -476,6 +476,15 @@ class CheckpointCorruptError(PyshmckptError, ValueError):
         return type(self), (self.path, self.reason, self.tensor), self.__dict__
 
 
+class CheckpointNotFoundError(CheckpointCorruptError):
+    """Raised when a checkpoint root holds nothing to restore: no committed checkpoint on disk
+    and none held in memory for any rank (from the `source` asked). ``load(...,
+    missing_ok=True)`` returns None instead: a job's first start.
+
+    Derives from `CheckpointCorruptError` (and so from `ValueError`).
+    """
+
+
 class PickleNotAllowedError(PyshmckptError, ValueError):
     """Raised when decoding a checkpoint's structure meets pickled values and the caller did
     not pass ``allow_pickle=True``. `load` reports this case as a `CheckpointCorruptError`

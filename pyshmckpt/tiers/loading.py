@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointCorruptError, ConfigError, PyshmckptError, RestoreError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    ConfigError,
+    PyshmckptError,
+    RestoreError,
+)
 from ..storage import reader
 from ..storage.rank_files import OpenedRank, checkpoint_dir, open_rank
 from ..storage.safetensors_writer import file_names
@@ -32,6 +38,7 @@ def load(
     cupy_as: str = "cupy",
     source: str = "auto",
     process_group: Any = None,
+    missing_ok: bool = False,
 ) -> Any:
     """Load a checkpoint written by pyshmckpt's safetensors writer.
 
@@ -99,11 +106,16 @@ def load(
             ``"memory"`` (only a checkpoint held in memory) or ``"disk"``.
         process_group: the group ranks agree over (None: a gloo group made for it, bounded by
             ``PYSHMCKPT_RESTORE_TIMEOUT``).
+        missing_ok: for a checkpoint root that holds nothing to restore (no rank has a
+            checkpoint in memory or on disk, or the root does not exist: a job's first start),
+            return None instead of raising `CheckpointNotFoundError`. Every rank agrees on it.
 
     Returns:
-        The state dict, or `into` once filled.
+        The state dict, or `into` once filled; None when nothing is found and `missing_ok`.
 
     Raises:
+        CheckpointNotFoundError: a root with nothing to restore on any rank (from `source`),
+            unless `missing_ok`.
         CheckpointCorruptError: a file is missing, damaged, or does not match its manifest
             (naming the file and tensor), or it holds pickled values without `allow_pickle`;
             a root with nothing every rank can restore (from `source`).
@@ -129,9 +141,14 @@ def load(
               "mmap": mmap, "cupy_as": cupy_as}  # fmt: skip
     if rank is not None:
         rank = restore.files_rank(rank)
-    if source in restore.SOURCES and source != "disk" and restore.agreeing(path):
-        return _load_agreed(path, source, process_group, verify, kwargs, rank)
-    opened, memory, rank = _open(path, rank, source, process_group)
+    try:
+        if source in restore.SOURCES and source != "disk" and restore.agreeing(path):
+            return _load_agreed(path, source, process_group, verify, kwargs, rank)
+        opened, memory, rank = _open(path, rank, source, process_group)
+    except CheckpointNotFoundError:  # found before anything is read or filled
+        if missing_ok:
+            return None
+        raise
     if memory != "unverified":  # from disk, or a memory copy whose every checksum was checked
         return reader.load_opened(
             opened, rank, verify=verify and not memory, memory=bool(memory), **kwargs
@@ -220,7 +237,10 @@ def _open(
         rank = rank if explicit else _saved_rank(checkpoint_dir(path), rank)
         return open_rank(path, rank), "", rank
     if source == "disk":
-        rank = rank if explicit else _saved_rank(checkpoint_dir(path), rank)
+        directory = checkpoint_dir(path)
+        if directory == Path(path) and not (directory / file_names(0)[1]).exists():
+            raise CheckpointNotFoundError(str(path), "checkpoint missing: none committed")
+        rank = rank if explicit else _saved_rank(directory, rank)
         return open_rank(path, rank), "", rank
     choice = restore.choose(
         path, rank, source=source, process_group=process_group, agree=not explicit

@@ -30,6 +30,7 @@ from .. import knobs
 from .._gc import gc_paused
 from ..errors import (
     CheckpointCorruptError,
+    CheckpointNotFoundError,
     ConfigError,
     ConfigTypeError,
     MemoryTierWarning,
@@ -99,8 +100,9 @@ def choose(
     waited for first (``PYSHMCKPT_ORPHAN_WAIT``): the checkpoint it will hold may be the newest.
 
     Raises:
-        CheckpointCorruptError: nothing to restore (no checkpoint held or committed, or, with
-            `source` "memory", not every rank holds one in memory).
+        CheckpointNotFoundError: no rank has a checkpoint to restore (from `source`).
+        CheckpointCorruptError: no checkpoint every rank can restore (with `source` "memory":
+            not every rank holds one in memory).
         ConfigError: `source` is not one of "auto", "memory", "disk".
         RestoreError: the other ranks did not all take part in the agreement.
     """
@@ -261,6 +263,7 @@ def _plan(root: Path, source: str, views: list[View], failed: set[tuple[int, int
     and where each rank takes it from; warns when one held in memory is passed over.
 
     Raises:
+        CheckpointNotFoundError: no rank has any checkpoint to restore.
         CheckpointCorruptError: no checkpoint every rank can restore.
     """
     servers = {v.rank: v.server for v in views if v.server is not None}
@@ -287,7 +290,8 @@ def _plan(root: Path, source: str, views: list[View], failed: set[tuple[int, int
     common = set.intersection(*(set(names) for names in where.values()))
     if not common:
         reasons = "; ".join(f"rank {v.rank}: {v.status}" for v in views)
-        raise CheckpointCorruptError(
+        nothing = not any(v.options or v.offers for v in views)  # a job's first start
+        raise (CheckpointNotFoundError if nothing else CheckpointCorruptError)(
             str(root),
             f"checkpoint missing: none that every rank can restore from {source} ({reasons})",
         )
