@@ -327,6 +327,9 @@ def main() -> int:
         "--keep", action="store_true", help="keep the work folder (journals, the ranks' logs)"
     )
     args = parser.parse_args()
+    # A SIGTERM (a scheduler's, `kill`) unwinds like Ctrl-C: the busy loops, the simulated nodes'
+    # namespaces and mounts, and the work folder are cleaned up on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     with busy_loops(args.busy):
         return soak(args)
 
