@@ -758,7 +758,7 @@ def test_another_user_cannot_read_a_held_checkpoint(shared_job, other_user_job, 
     assert set(out["opened"].values()) <= {"PermissionError", "FileNotFoundError"}, out
     assert out["found"] is False
     assert out["holds"] == 0
-    assert out["load"].startswith("CheckpointCorruptError: "), out["load"]
+    assert out["load"].startswith("CheckpointNotFoundError: "), out["load"]
     assert "none held in memory" in out["load"]
     assert_same_tree(make_state(2), pyshmckpt.load(root, source="memory"))  # still held for us
 

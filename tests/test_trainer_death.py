@@ -257,7 +257,7 @@ SUSPENDED_TRAINER = textwrap.dedent(
     import pyshmckpt
     from slow_writer import register_slow_writer
 
-    ck = pyshmckpt.Checkpointer(sys.argv[1], writer=register_slow_writer(), stall_timeout=5)
+    ck = pyshmckpt.Checkpointer(sys.argv[1], writer=register_slow_writer(), stall_timeout=8)
     ck.wait_for_writer()  # the save goes to the writer at once, not to its spool
     writer = ck._process
     future = ck.save({"w": torch.arange(1000.0)}, name="final")
@@ -289,7 +289,7 @@ def test_a_job_stopped_and_continued_mid_save_finishes_it(tmp_path):
         stopped = [trainer.pid, writer]
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)
-        time.sleep(12)  # twice the stall timeout, the slow write in the middle
+        time.sleep(20)  # over twice the stall timeout, the slow write in the middle
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
         out, err = trainer.communicate(timeout=120)

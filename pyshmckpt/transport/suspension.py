@@ -43,11 +43,16 @@ class StopClock:
     def stopped_since(self, since: float) -> float:
         """Seconds this process was stopped after `since` (a `time.monotonic()` reading); waits
         for the next tick (at most `PAUSED` seconds), so that a stop that just ended is
-        counted."""
+        counted. A tick that has not come by then leaves a gap still open: the process has
+        hardly run at all (a node so loaded that neither thread was scheduled), which counts as
+        a stop too."""
         asked = time.monotonic()
         with self._cond:
-            self._cond.wait_for(lambda: self._last >= asked, timeout=PAUSED)  # a busy node
-            return sum(gap for end, gap in self._gaps if end > since)
+            ticked = self._cond.wait_for(lambda: self._last >= asked, timeout=PAUSED)
+            stopped = sum(gap for end, gap in self._gaps if end > since)
+            if not ticked:
+                stopped += max(0.0, time.monotonic() - max(self._last, since) - TICK)
+            return stopped
 
 
 _CLOCK: StopClock | None = None

@@ -65,3 +65,16 @@ def test_a_thread_blocked_or_busy_is_not_a_stop():
     while time.monotonic() < end:  # and busy
         pass
     assert stops.stopped_since(started) == 0.0
+
+
+def test_a_clock_whose_thread_is_not_scheduled_counts_the_open_gap():
+    class Unscheduled(suspension.StopClock):
+        """A stand-in for a process whose threads the node does not schedule: it never ticks."""
+
+        def _run(self) -> None:
+            return
+
+    stops = Unscheduled()
+    started = time.monotonic()
+    stopped = stops.stopped_since(started)  # waits for a tick that never comes
+    assert suspension.PAUSED - suspension.TICK - 0.1 <= stopped < suspension.PAUSED + 5.0
