@@ -1,6 +1,6 @@
 """Accelerate: ``accelerator.save_state()`` made asynchronous, through a pyshmckpt `Checkpointer`.
 
-Use `ShmStateSaver` where you would call ``accelerator.save_state()`` / ``load_state()``::
+Use `ShmStateSaver` where you would call ``accelerator.save_state()`` / ``load_state()``:
 
     saver = ShmStateSaver(accelerator)       # after accelerator.prepare(...)
     saver.save_state()                       # returns once staged; training goes on

@@ -1,6 +1,6 @@
 """DeepSpeed: `ShmCheckpointEngine`, a checkpoint engine whose saves return once staged.
 
-Switch it on right after ``deepspeed.initialize``, on every rank::
+Switch it on right after ``deepspeed.initialize``, on every rank:
 
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
     use_pyshmckpt(engine)

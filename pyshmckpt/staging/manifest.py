@@ -197,8 +197,18 @@ class Manifest:
     Attributes:
         tree: the structure: `Container` and `Leaf` nodes, the int i where tensor i goes.
         dtypes: the dtype names the `dtype` column indexes.
-        size: bytes of the slot in use (the end of the last block).
+        dtype: (n,) int16 array: each tensor's dtype, an index into `dtypes`.
+        ndim: (n,) int16 array: each tensor's number of dimensions.
+        shapes: int64 array of every tensor's shape, concatenated (``ndim`` entries each).
+        strides: int64 array of every tensor's strides in elements, concatenated alike.
+        offset: (n,) int64 array: bytes from the slot start to each tensor's element 0.
+        nbytes: (n,) int64 array: each tensor's numel times its element size.
+        block: (n,) int64 array: each tensor's row of `blocks` (-1 for a tensor without
+            elements).
+        flags: (n,) uint8 array: each tensor's flags (parameter, requires_grad, NumPy or CuPy
+            array).
         blocks: (m, 2) int64 array: offset in the slot and bytes of each staged storage block.
+        size: bytes of the slot in use (the end of the last block).
         sharding: which tensors are DTensors' local shards, with their placements (None: no
             DTensor).
     """
@@ -314,7 +324,14 @@ class Manifest:
         return out
 
     def entry(self, i: int) -> TensorEntry:
-        """Row `i` as a TensorEntry (walks the tree for its path)."""
+        """Row `i` as a TensorEntry (walks the tree for its path).
+
+        Args:
+            i: the tensor's index, from 0 to ``len(manifest) - 1``.
+
+        Raises:
+            ManifestIndexError: `i` is out of range.
+        """
         if not 0 <= i < len(self):
             raise ManifestIndexError(f"tensor index {i} out of range for {len(self)} tensors")
         pos = int(self.ndim[:i].sum())

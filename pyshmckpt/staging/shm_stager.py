@@ -24,9 +24,18 @@ _bases = tuple(dict.fromkeys(b for b in (_CheckpointStager, _AsyncStager) if b i
 class ShmStager(SlotStager, *_bases):  # type: ignore[misc]
     """Stage state dicts into a ring of shared-memory slots, for DCP and torch's checkpointers.
 
-    A `SlotStager` (its arguments, behaviour and errors, inherited below) that implements DCP's
-    ``AsyncStager`` (pass it as ``dcp.async_save(..., async_stager=ShmStager())``) and the
-    ``CheckpointStager`` of torch's ``_experimental`` checkpointer.
+    `stage` copies every tensor (CPU: thread pool, GIL released; CUDA: batched device-to-host
+    copies on a side stream) into a free slot and returns the same structure with CPU tensors
+    that view the slot: a snapshot, which training may change right after. It implements DCP's
+    ``AsyncStager`` (``dcp.async_save(..., async_stager=ShmStager())``) and the
+    ``CheckpointStager`` of torch's ``_experimental`` checkpointer. Otherwise it is
+    ``pyshmckpt.staging.SlotStager``, the stager the `Checkpointer` and the `CheckpointProcess`
+    use (which loads none of DCP): the same arguments, methods and errors.
+
+    The stager owns the shared memory: a slot stays busy while its staged tensors are
+    referenced in this process or until `release` is called for it; `close` (or the end of a
+    ``with`` block) frees the arenas, and staged tensors still held keep their own mapping of
+    the memory.
     """
 
     @property

@@ -46,10 +46,10 @@ _Stager = TypeVar("_Stager", bound="SlotStager")
 class StagedHandle:
     """Where a staged state dict lives: its arena, slot, generation and manifest.
 
-    A handle from `SlotStager.handle` only describes the slot. One from `SlotStager.lease` or
-    `SlotStager.stage_leased` (or ``lease_staged``) also holds the slot for a write: it is
-    neither freed nor overwritten until `give_back`, which the holder must call once the writer
-    no longer reads the slot.
+    `ShmStager.handle` returns one, which only describes the slot. The library's transport also
+    leases slots through handles (``SlotStager.lease``, ``SlotStager.stage_leased``,
+    ``lease_staged``): a leased slot is neither freed nor overwritten until ``give_back``, which
+    the holder calls once the writer no longer reads the slot.
 
     Attributes:
         arena: the `Arena` the slot belongs to.
@@ -123,42 +123,10 @@ class SlotStager:
     (`pyshmckpt.shm.sharing`). The result is a snapshot: changing the source afterwards changes
     nothing in it.
 
-    Args:
-        capacity_bytes: bytes per slot. Given, the arena is created, faulted in and pinned here,
-            so the first stage costs what later ones do. None: sized from the first state dict
-            with ``headroom`` (that stage creates one slot, writing host tensors through its
-            file, and the rest of it and the other slots are allocated in the background; so
-            does a move to a larger arena).
-        slots: slots in the ring (default 2, ``PYSHMCKPT_SLOTS``).
-        async_staging: return a Future from stage(); copies run on a background thread.
-        allow_growth: when a state dict outgrows its slot, move to a larger arena (the old one is
-            freed once none of its slots is in use) instead of raising CapacityError.
-        pin: page-lock the arena for CUDA; None pins when CUDA is available.
-        slot_timeout: seconds stage() waits for a busy slot (default 60,
-            ``PYSHMCKPT_SLOT_TIMEOUT``).
-        headroom: slot size over the first state dict's size when sizing automatically.
-        validate: called with each state dict's Manifest after the layout walk and before a slot
-            is taken or anything copied; whatever it raises, stage() raises, with nothing staged.
-        pickle_unsupported: values a slot cannot hold (sparse, nested, quantized and meta tensors,
-            tensor subclasses, arrays torch cannot view) are deep-copied and carried pickled
-            beside the slot, as torch's transport would pickle them, instead of raising
-            UnsupportedValueError.
-        reuse_plans: a state dict of the same structure as the previous one (same containers,
-            keys, tensor dtypes, shapes, strides, devices and storage sharing) reuses its layout
-            after a check, instead of being laid out again; ``plan_stats`` counts both.
-
     The stager owns the shared memory: a slot stays busy while its staged tensors are
     referenced in this process or until `release` is called for it; `close` (or the end of a
     ``with`` block) frees the arenas, and staged tensors still held keep their own mapping of
     the memory.
-
-    Raises:
-        ConfigError: ``capacity_bytes`` or ``slots`` is not positive, ``slot_timeout`` is
-            negative, ``headroom`` is below 1, or a ``PYSHMCKPT_*`` variable is invalid.
-        ConfigTypeError: ``capacity_bytes`` is not an int, ``slot_timeout`` or ``headroom`` is
-            not a number, or ``validate`` is not callable.
-        PyshmckptOSError: the slots of ``capacity_bytes`` cannot be created (``/dev/shm`` too
-            small).
     """
 
     def __init__(
@@ -175,6 +143,44 @@ class SlotStager:
         pickle_unsupported: bool = False,
         reuse_plans: bool = True,
     ) -> None:
+        """Make a stager: its arena now with `capacity_bytes`, else at the first stage.
+
+        Args:
+            capacity_bytes: bytes per slot. Given, the arena is created, faulted in and pinned
+                here, so the first stage costs what later ones do. None: sized from the first
+                state dict with ``headroom`` (that stage creates one slot, writing host tensors
+                through its file, and the rest of it and the other slots are allocated in the
+                background; so does a move to a larger arena).
+            slots: slots in the ring (default 2, ``PYSHMCKPT_SLOTS``).
+            async_staging: return a Future from stage(); copies run on a background thread.
+            allow_growth: when a state dict outgrows its slot, move to a larger arena (the old
+                one is freed once none of its slots is in use) instead of raising
+                `CapacityError`.
+            pin: page-lock the arena for CUDA; None pins when CUDA is available.
+            slot_timeout: seconds stage() waits for a busy slot (default 60,
+                ``PYSHMCKPT_SLOT_TIMEOUT``).
+            headroom: slot size over the first state dict's size when sizing automatically
+                (default 1.25, ``PYSHMCKPT_HEADROOM``).
+            validate: called with each state dict's `Manifest` after the layout walk and before
+                a slot is taken or anything copied; whatever it raises, stage() raises, with
+                nothing staged.
+            pickle_unsupported: values a slot cannot hold (sparse, nested, quantized and meta
+                tensors, tensor subclasses, arrays torch cannot view) are deep-copied and
+                carried pickled beside the slot, as torch's transport would pickle them,
+                instead of raising `UnsupportedValueError`.
+            reuse_plans: a state dict of the same structure as the previous one (same
+                containers, keys, tensor dtypes, shapes, strides, devices and storage sharing)
+                reuses its layout after a check, instead of being laid out again; ``plan_stats``
+                counts both.
+
+        Raises:
+            ConfigError: ``capacity_bytes`` or ``slots`` is not positive, ``slot_timeout`` is
+                negative, ``headroom`` is below 1, or a ``PYSHMCKPT_*`` variable is invalid.
+            ConfigTypeError: ``capacity_bytes`` is not an int, ``slot_timeout`` or ``headroom``
+                is not a number, or ``validate`` is not callable.
+            PyshmckptOSError: the slots of ``capacity_bytes`` cannot be created (``/dev/shm``
+                too small).
+        """
         self._closed = True  # until fully constructed, so __del__ has nothing to do
         self._closing = False
         if capacity_bytes is not None and (
@@ -400,7 +406,7 @@ class SlotStager:
         self._collect_retired()
 
     def close(self) -> None:
-        """Free the arenas (unpin, unmap, unlink). Idempotent; safe from __del__ and atexit.
+        """Free the arenas (unpin, unmap, unlink). Idempotent; safe from ``__del__`` and atexit.
 
         Blocks while a stage already requested (``async_staging``) finishes: its Future may
         have been handed to a writer (torch's AsyncCheckpointer closes its stager before its
