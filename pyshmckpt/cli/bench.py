@@ -38,13 +38,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="only the small end of the sweeps, fewer rounds (about 1 min)",
     )
     parser.add_argument(
-        "--output", type=Path, default=Path("bench-results"), help="where results and plots go"
+        "--output",
+        type=Path,
+        default=Path("bench-results"),
+        help="where results and plots go (default %(default)s)",
     )
     parser.add_argument(
         "--suite", type=Path, default=None, help="the bench/ directory (default: found)"
     )
     parser.add_argument(
-        "--timeout", type=float, default=3 * 3600, help="seconds the whole run may take"
+        "--timeout",
+        type=float,
+        default=3 * 3600,
+        help="seconds the whole run may take (default %(default)s: 3 hours)",
     )
     parser.add_argument(
         "--report-only",

@@ -208,6 +208,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pyshmckpt`` parser, one subcommand per command (each sets ``run``). Building it
+    imports neither torch nor the demo's run."""
     from . import bench
     from .demo import options as demo_options
 
@@ -226,15 +233,17 @@ def _main(argv: list[str] | None) -> int:
     bench_parser.set_defaults(run=_bench)
     gc = sub.add_parser(
         "gc",
-        help="free checkpoints held in memory and remove shared-memory segments whose owner "
-        "process is gone",
+        help="free every checkpoint and replica this user holds in memory, then remove hold "
+        "records whose holder is gone and shared-memory segments no process has open",
     )
     gc.add_argument(
         "--prefix",
         default=None,
         help="segment name prefix (default: PYSHMCKPT_SEGMENT_PREFIX or pyshmckpt)",
     )
-    gc.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    gc.add_argument(
+        "--dry-run", action="store_true", help="only list what would be freed or removed"
+    )
     gc.set_defaults(run=_gc)
     verify = sub.add_parser(
         "verify", help="check a checkpoint's checksums and structure (exit 1 if corrupt)"
@@ -263,5 +272,4 @@ def _main(argv: list[str] | None) -> int:
         "the devices, pinning a test buffer; the reason when not (exit 1)",
     )
     cuda_info.set_defaults(run=_cuda_info)
-    args = parser.parse_args(argv)
-    return int(args.run(args))
+    return parser
