@@ -512,9 +512,10 @@ class CheckpointKeyError(CheckpointMismatchError, KeyError):
 
 class CupyUnavailableError(PyshmckptError, RuntimeError):
     """Raised by ``load`` when the checkpoint holds CuPy arrays and this process cannot make
-    them: CuPy is not installed (``pip install 'pyshmckpt[cupy]'``) or sees no CUDA device. The
-    message names the first such array; ``load(..., cupy_as="numpy")`` loads them as NumPy
-    arrays instead. Raised before any tensor is read.
+    them: CuPy is not installed (the ``cupy`` extra: ``python -m pip install ".[cupy]"`` in a
+    clone of the repository) or sees no CUDA device. The message names the first such array;
+    ``load(..., cupy_as="numpy")`` loads them as NumPy arrays instead. Raised before any tensor
+    is read.
 
     Derives from `PyshmckptError` and `RuntimeError`.
     """

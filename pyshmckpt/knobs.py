@@ -153,10 +153,10 @@ def file_mode() -> int | None:
 
 def replica_encrypt() -> bool:
     """PYSHMCKPT_REPLICA_ENCRYPT: 1 to encrypt everything sent between nodes (replicas, and
-    copies fetched during a restore) with AES-256-GCM; it needs the ``encrypt`` extra
-    (``pip install 'pyshmckpt[encrypt]'``: the cryptography package). Either end asking for it
-    is enough. Default 0: every message and byte is authenticated (a MAC under a key of the
-    connection), not encrypted."""
+    copies fetched during a restore) with AES-256-GCM; it needs the ``encrypt`` extra (the
+    cryptography package: ``python -m pip install ".[encrypt]"`` in a clone of the repository).
+    Either end asking for it is enough. Default 0: every message and byte is authenticated (a
+    MAC under a key of the connection), not encrypted."""
     raw = (os.environ.get("PYSHMCKPT_REPLICA_ENCRYPT") or "0").strip().lower()
     if raw in ("1", "true", "yes", "on"):
         return True
