@@ -247,21 +247,31 @@ def test_a_save_outlives_its_worker_group_sigtermed_by_a_torchrun_restart(tmp_pa
 
 
 # A trainer whose save is written slowly, with a short stall timeout; it waits for the save and
-# says how it ended.
+# says how it ended. With "handed-over", its writer is stopped first (the trainer says when it
+# may be) and the trainer stops itself right after save() returns: the write was handed over,
+# and the trainer's dispatcher, idle until then, had not yet looked at it when the job stopped.
 SUSPENDED_TRAINER = textwrap.dedent(
     """
-    import json, sys
+    import json, logging, os, signal, sys
 
     import torch
 
     import pyshmckpt
     from slow_writer import register_slow_writer
 
-    ck = pyshmckpt.Checkpointer(sys.argv[1], writer=register_slow_writer(), stall_timeout=8)
+    logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d %(processName)s %(message)s")
+    ck = pyshmckpt.Checkpointer(sys.argv[1], writer=register_slow_writer(), stall_timeout=10)
     ck.wait_for_writer()  # the save goes to the writer at once, not to its spool
     writer = ck._process
-    future = ck.save({"w": torch.arange(1000.0)}, name="final")
     print(json.dumps({"writer": writer.pid}), flush=True)
+    handed_over = sys.argv[2] == "handed-over"
+    if handed_over:
+        sys.stdin.readline()  # the writer is stopped
+    future = ck.save({"w": torch.arange(1000.0)}, name="final")
+    if handed_over:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        print("saved", flush=True)
     try:
         future.result(timeout=120)
         print(json.dumps({"saved": True, "writer": writer.pid}), flush=True)
@@ -272,25 +282,41 @@ SUSPENDED_TRAINER = textwrap.dedent(
 )
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (state T in /proc/PID/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2] in "Tt"
+
+
 @pytest.mark.timeout(240)
-def test_a_job_stopped_and_continued_mid_save_finishes_it(tmp_path):
+@pytest.mark.parametrize("when", ["mid-write", "handed-over"])
+def test_a_job_stopped_and_continued_mid_save_finishes_it(tmp_path, when):
     """A job's processes all stopped (SIGSTOP: a scheduler suspending the job, a frozen cgroup)
     for longer than the stall timeout, then continued: the time they were stopped is not a
-    stalled write, so the writer is not killed and the save lands."""
+    stalled write, so the writer is not killed and the save lands. Whether the job stops while
+    the write is written, or right after it was handed over, before the trainer's dispatcher
+    (waiting without a deadline until then) has seen it."""
     script = tmp_path / "trainer.py"
     script.write_text(SUSPENDED_TRAINER)
     root = tmp_path / "ckpt"
     trainer = subprocess.Popen(
-        [sys.executable, str(script), str(root)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=child_env(), cwd=str(tmp_path),
+        [sys.executable, str(script), str(root), when], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+        cwd=str(tmp_path),
     )  # fmt: skip
     try:
         writer = json.loads(trainer.stdout.readline())["writer"]  # type: ignore[union-attr]
-        stopped = [trainer.pid, writer]
-        for pid in stopped:
-            os.kill(pid, signal.SIGSTOP)
-        time.sleep(20)  # over twice the stall timeout, the slow write in the middle
-        for pid in stopped:
+        if when == "handed-over":
+            os.kill(writer, signal.SIGSTOP)
+            trainer.stdin.write("go\n")  # type: ignore[union-attr]
+            trainer.stdin.flush()  # type: ignore[union-attr]
+            wait_until(lambda: _stopped(trainer.pid), 60, "the trainer stopping itself")
+        else:
+            assert trainer.stdout.readline().strip() == "saved"  # type: ignore[union-attr]
+            for pid in (trainer.pid, writer):
+                os.kill(pid, signal.SIGSTOP)
+        time.sleep(25)  # over twice the stall timeout
+        for pid in (trainer.pid, writer):
             os.kill(pid, signal.SIGCONT)
         out, err = trainer.communicate(timeout=120)
     finally:

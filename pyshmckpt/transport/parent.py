@@ -663,8 +663,9 @@ class WriterProcess:
                     logger.warning("%s: %d write(s) failed", died, writes)
                 self._fail_pending(died)
                 return
-            if timeout is not None and time.monotonic() - checked - timeout > suspension.PAUSED:
-                # Late: this process was stopped, or only busy (the clock's thread tells which).
+            if time.monotonic() - checked - (timeout or 0.0) > suspension.PAUSED:
+                # Late, or woken from a wait without a deadline (a write handed over meanwhile):
+                # this process may have been stopped (the clock's thread tells).
                 self._count_pause(stops.stopped_since(checked))
             if self._expire():
                 return

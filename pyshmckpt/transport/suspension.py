@@ -41,14 +41,16 @@ class StopClock:
                 self._cond.notify_all()
 
     def stopped_since(self, since: float) -> float:
-        """Seconds this process was stopped after `since` (a `time.monotonic()` reading); waits
-        for the next tick (at most `PAUSED` seconds), so that a stop that just ended is
-        counted. A tick that has not come by then leaves a gap still open: the process has
-        hardly run at all (a node so loaded that neither thread was scheduled), which counts as
-        a stop too."""
+        """Seconds this process was stopped after `since` (a `time.monotonic()` reading). When
+        the clock's last tick is late, a stop may just have ended: it waits for the next tick
+        (at most `PAUSED` seconds), so that the stop is counted. A tick that has not come by
+        then leaves a gap still open: the process has hardly run at all (a node so loaded that
+        neither thread was scheduled), which counts as a stop too."""
         asked = time.monotonic()
         with self._cond:
-            ticked = self._cond.wait_for(lambda: self._last >= asked, timeout=PAUSED)
+            ticked = asked - self._last < 2 * TICK or self._cond.wait_for(
+                lambda: self._last >= asked, timeout=PAUSED
+            )
             stopped = sum(gap for end, gap in self._gaps if end > since)
             if not ticked:
                 stopped += max(0.0, time.monotonic() - max(self._last, since) - TICK)
