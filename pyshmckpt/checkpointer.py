@@ -109,6 +109,11 @@ def _dying_of_an_exception() -> bool:
     )
 
 
+def _clean_exit(error: BaseException) -> bool:
+    """Whether `error` ends the program as a success (``sys.exit()``, ``sys.exit(0)``)."""
+    return isinstance(error, SystemExit) and error.code in (None, 0)
+
+
 def _check_plain(manifest: Any) -> None:
     tree_codec.check_plain(manifest.tree)
 
@@ -127,7 +132,9 @@ class Checkpointer:
     The Checkpointer owns its shared memory (``slots`` slots, sized from the first state dict
     with headroom unless ``capacity_bytes`` is given, and enlarged when a larger one comes) and
     its writer process; `close` (or the end of a ``with`` block) finishes the pending saves and
-    frees both.
+    frees both. An exception out of a ``with`` block (the training failed) is a trainer's
+    failure, not the job's end: the pending saves finish and, with ``hold``, the newest
+    checkpoint stays held in memory for the next trainer, as after a crash.
 
     DTensors (FSDP2, tensor parallelism) are saved as each rank's local shard plus its placement
     (mesh shape, placements, global shape, the shard's global offsets) in the rank's manifest;
@@ -734,5 +741,32 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any
+    ) -> None:
+        """The end of a ``with`` block: `close`; or, when an exception leaves the block (the
+        training failed, the job is likely to restart), finish the pending saves and leave the
+        newest checkpoint held in memory for the next trainer, as a crash would."""
+        if error is None or not self._hold or _clean_exit(error):
+            self.close()
+            return
+        self._leave_held()
+
+    def _leave_held(self) -> None:
+        """Close, but hand the memory over to the writer process (see `__exit__`)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        handed = False
+        try:
+            handed = self._process.leave_holding()
+        finally:
+            if handed:
+                self._stager.detach()
+            else:
+                self._stager.close()
+            if self._heartbeat is not None:
+                self._heartbeat.stop(remove=True)
+            if self._replica_port is not None:
+                self._replica_port.close()

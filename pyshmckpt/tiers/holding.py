@@ -84,10 +84,11 @@ class Holder:
             return self._launchers[key]
 
     def announce(self, info: HoldInfo | None = None) -> None:
-        """The trainer died: publish at once that this writer will hold a checkpoint of its
-        root and rank (`info`, or the newest so far), still finishing what it was handed, so
-        that a restore waits for it. Nothing when no save said what to hold, or once the hold
-        itself is published; never raises (a restore then does not wait, which it logs)."""
+        """The trainer died (or left on an error, handing its memory over): publish at once
+        that this writer will hold a checkpoint of its root and rank (`info`, or the newest so
+        far), still finishing what it was handed, so that a restore waits for it. Nothing when
+        no save said what to hold, or once the hold itself is published; never raises (a
+        restore then does not wait, which it logs)."""
         with self._lock:  # never after the record itself (`hold`), which it would replace
             newest = self._newest[2] if self._newest is not None else None
             if newest is None and self._adopted is not None:

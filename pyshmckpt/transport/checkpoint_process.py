@@ -475,6 +475,33 @@ class CheckpointProcess:
         if errors:
             raise CleanupError(errors)
 
+    def leave_holding(self) -> bool:
+        """The trainer leaves on an error without ending: finish the pending writes, then let
+        the writer go on alone as after the trainer's death (it holds the newest checkpoint in
+        memory for the next trainer); the slots are left to it. Where it cannot (no writer
+        alive, no answer in time), this is `close`. Idempotent.
+
+        Returns:
+            True when the writer took the memory over.
+
+        Raises:
+            CleanupError: as `close`, when it fell back to it.
+        """
+        if self._closed:
+            return False
+        self._executor.shutdown(wait=True)  # writes waiting for a state dict's Future go first
+        *retired, writer = self._writers
+        if not writer.leave_holding():
+            self.close()
+            return False
+        self._closed = True
+        self._finalizer.detach()
+        for old in retired:  # dead already: reaped
+            for error in old.close():
+                logger.warning("while closing a replaced writer: %s", error)
+        self._stager.detach()
+        return True
+
     def leave(self) -> None:
         """The trainer is ending without a close (an uncaught exception at exit): leave the
         writer process to notice its death and do what it does then (finish the writes it was

@@ -156,6 +156,17 @@ class _TrainerWatch:
             self.parent_pid,
         )
 
+    def handed_over(self) -> None:
+        """The trainer left on an error and handed its memory over (TERMINATE asking to
+        hold): from here on this writer is on its own as after a death, and the trainer's later
+        exit is not another one."""
+        if next(self._notices):  # its death was noticed first, and acted on
+            self.dead.wait(_NOTICE_WAIT)
+            return
+        logs.to_stderr()  # nobody reads the channel any more
+        self.dead.set()
+        logger.info("the trainer (pid %d) handed its memory over", self.parent_pid)
+
     def serving(self) -> bool:
         return self._busy_since is not None
 
@@ -350,6 +361,16 @@ def writer_main(
                     close()
                 except BaseException:
                     error = traceback.format_exc()
+            if request.payload.get("hold") and error is None:
+                # The trainer leaves on an error: hold the newest checkpoint (and the replicas
+                # held for other nodes) for the next trainer, as after its death; said before
+                # the answer, so that a restore right after it waits for the hold.
+                holding.HOLDER.announce()
+                outbox.send(
+                    Response(Kind.TERMINATE, request.id, ok=True, payload={"holding": True})
+                )
+                watch.handed_over()
+                watch.exit(0)
             try:  # the job ends: replicas held here too
                 replication.release_all()
             except Exception:

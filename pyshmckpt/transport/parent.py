@@ -517,6 +517,49 @@ class WriterProcess:
             return [WriterShutdownTimeoutError(f"writer process {process.pid} survived SIGKILL")]
         return []
 
+    def leave_holding(self) -> bool:
+        """The trainer leaves on an error, not ending the job: finish the pending writes (each
+        bounded as in `close`), then let the writer go on alone as after the trainer's death:
+        it holds the newest checkpoint in memory for the next trainer and exits when that hold
+        ends. The channel is closed; the process is not waited for.
+
+        Returns:
+            True when the writer took its memory over; False when it could not (dead, or no
+            answer within the shutdown timeout): then it is stopped as by `close`.
+        """
+        with self._lock:
+            if self._closing:
+                return False
+        process = self._process
+        if process is None or not self._alive() or self._conn is None:
+            return False
+        self._finish_writes()
+        held: Future[Any] = Future()
+        with self._lock:
+            self._closing = True
+            request_id = next(self._ids)
+            self._pending[request_id] = _Pending(held, Kind.TERMINATE, -1, None)
+            sent = send(self._conn, Request(Kind.TERMINATE, request_id, payload={"hold": True}))
+        taken = False
+        if sent:
+            with contextlib.suppress(Exception):  # not answered in time, or refused
+                taken = bool(held.result(timeout=self._shutdown_timeout).get("holding"))
+        if not taken:
+            with self._lock:
+                self._pending.pop(request_id, None)
+                self._closing = False
+            return False
+        if self._dispatcher is not None and self._dispatcher is not threading.current_thread():
+            self._dispatcher.join(self._shutdown_timeout + 1.0)  # it stops at that answer
+        with contextlib.suppress(OSError):
+            self._conn.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+        logger.info("writer process %d holds the newest checkpoint on its own", process.pid)
+        return True
+
     def kill(self, reason: str) -> None:
         """SIGKILL the writer and reap it (used for hung writers); `reason` is logged."""
         process = self._process
@@ -646,6 +689,8 @@ class WriterProcess:
                     continue
                 if not self._resolve(response):
                     return
+                if response.kind is Kind.TERMINATE and response.payload.get("holding"):
+                    return  # the writer goes on alone (leave_holding): nothing more comes
             if process.sentinel in ready or not self._alive():
                 self._join(1.0)
                 died: WriterDiedError = WriterDiedError(

@@ -85,6 +85,7 @@ INTERNAL: dict[str, dict[str, str]] = {
     "pyshmckpt.CheckpointProcess": {
         "hand_over": "the Checkpointer hands the writer the descriptors of its segments",
         "leave": "the Checkpointer leaves the writer to finish when the trainer dies",
+        "leave_holding": "the Checkpointer hands its memory to the writer when an exception ends a with block",
     },
     "pyshmckpt.CheckpointProcessConfig": {
         "starting_in_background": "the Checkpointer's and the DeepSpeed adapter's default",
