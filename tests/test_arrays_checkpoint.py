@@ -262,7 +262,7 @@ def test_cupy_arrays_without_cupy_raise_naming_the_array(cupy_checkpoint, monkey
         pyshmckpt.load(path)
     message = str(info.value)
     assert "'model.f32' first" in message
-    assert "pyshmckpt[cupy]" in message
+    assert "python -m pip install 'cupy-cuda12x>=13'" in message
     assert "cupy_as='numpy'" in message
 
 

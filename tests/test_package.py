@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 import shutil
 import subprocess
@@ -62,7 +63,11 @@ def test_python_dash_m_runs_the_command_line(tmp_path):
     done = run([sys.executable, "-m", "pyshmckpt", "--help"], tmp_path, child_env())
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: pyshmckpt")
-    for command in ("demo", "bench", "gc", "verify", "inspect"):
+    from pyshmckpt.cli.commands import build_parser
+
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert len(commands.choices) == 6, sorted(commands.choices)  # cuda-info included
+    for command in commands.choices:
         assert command in done.stdout
 
 

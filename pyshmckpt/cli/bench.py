@@ -308,7 +308,8 @@ def main(args: argparse.Namespace) -> int:
         missing = [m for m in missing if m == "matplotlib"]
     if missing:
         print(
-            f"pyshmckpt bench needs {', '.join(missing)}: pip install 'pyshmckpt[bench]'",
+            f"pyshmckpt bench needs {', '.join(missing)}: python -m pip install "
+            f"{' '.join(missing)} (the bench extra)",
             file=sys.stderr,
         )
         return 2

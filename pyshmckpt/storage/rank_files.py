@@ -18,12 +18,12 @@ import torch
 
 from .._gc import gc_paused
 from .._unfilled import unfilled
-from ..errors import CheckpointCorruptError, from_os_error
+from ..errors import CheckpointCorruptError, NotSupportedError, from_os_error
 from ..shm.native import copy_threads, crc32c
 from ..staging.manifest import ARRAY, ARRAY_DTYPES, DTYPES, PARAMETER, REQUIRES_GRAD
 from . import commit
 from .safetensors_header import expected_crcs, parse_header
-from .safetensors_writer import FORMAT, file_names
+from .safetensors_writer import FORMAT, FORMAT_VERSION, file_names
 
 
 class OpenedRank(NamedTuple):
@@ -183,6 +183,24 @@ def _flagged(t: torch.Tensor, flags: int) -> torch.Tensor:
     return t
 
 
+def check_format_version(path: Path | str, described: dict[str, Any]) -> None:
+    """Refuse a manifest (`described`, read from `path`) of a format version this pyshmckpt
+    cannot read; one without a version is of the first.
+
+    Raises:
+        NotSupportedError: a newer version (written by a newer pyshmckpt).
+        CheckpointCorruptError: not a version at all.
+    """
+    version = described.get("format_version", 1)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise CheckpointCorruptError(str(path), f"format version {version!r} is not one")
+    if version > FORMAT_VERSION:
+        raise NotSupportedError(
+            f"{path}: written in checkpoint format version {version} by a newer pyshmckpt; "
+            f"this one reads version {FORMAT_VERSION}"
+        )
+
+
 @gc_paused()
 def open_rank(path: str | os.PathLike[str], rank: int) -> OpenedRank:
     """A rank's manifest, data file path, header and copy-on-write map of the data file, and the
@@ -198,6 +216,7 @@ def open_rank(path: str | os.PathLike[str], rank: int) -> OpenedRank:
         raise CheckpointCorruptError(str(json_path), f"unreadable manifest: {exc}") from None
     if not isinstance(described, dict) or described.get("format") != FORMAT:
         raise CheckpointCorruptError(str(json_path), "not a pyshmckpt manifest")
+    check_format_version(json_path, described)
     try:
         f = st_path.open("rb")
     except FileNotFoundError:

@@ -142,8 +142,8 @@ def _cupy(opened: OpenedRank, cupy_as: str) -> Any:
         cupy = importlib.import_module("cupy")
     except ImportError as exc:
         raise CupyUnavailableError(
-            f"{where} and CuPy cannot be imported ({exc}): install it (pip install "
-            f"'pyshmckpt[cupy]') {instead}"
+            f"{where} and CuPy cannot be imported ({exc}): install it (python -m pip install "
+            f"'cupy-cuda12x>=13', the cupy extra) {instead}"
         ) from None
     try:
         count = int(cupy.cuda.runtime.getDeviceCount())

@@ -47,10 +47,11 @@ def open_held(record: dict[str, Any], source: str = "memory") -> OpenedRank:
         described = record["described"]
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointCorruptError(source, f"malformed hold record: {exc}") from None
-    from ..storage.rank_files import OpenedRank
+    from ..storage.rank_files import OpenedRank, check_format_version
 
     if "/" in name or not isinstance(described, dict):
         raise CheckpointCorruptError(source, "malformed hold record")
+    check_format_version(source, described)
     path = SHM_DIR / name
     try:  # a FIFO of another user's at that name would wait for a writer: not opened
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)

@@ -125,7 +125,8 @@ def load(
             CuPy is not installed or sees no CUDA device (nothing is read).
         ConfigError: `cupy_as` is neither ``"cupy"`` nor ``"numpy"``, `source` is not one of
             the three, or ``"memory"`` with a path that is not a root.
-        NotSupportedError: a checkpoint held in memory loaded `into` DTensors (or tensors)
+        NotSupportedError: a checkpoint written in a newer format version than this pyshmckpt
+            reads; or a checkpoint held in memory loaded `into` DTensors (or tensors)
             that need bytes of other ranks' shards (another world size or sharding: a memory
             copy holds only this rank's shards; nothing is written then).
         PyshmckptOSError: a file exists but cannot be opened or mapped.

@@ -83,7 +83,7 @@ AES_GMAC = "aes-gmac"
 AES_GCM = "aes-256-gcm"
 SUITES = (AES_GMAC, HMAC_SHA256, AES_GCM)
 _MESSAGE, _BULK = b"M", b"B"  # the kinds of unit a tag covers
-_INSTALL = "pip install 'pyshmckpt[encrypt]' (the cryptography package)"
+_INSTALL = "python -m pip install 'cryptography>=42' (the encrypt extra)"
 
 
 def new_secret() -> str:
