@@ -705,11 +705,19 @@ class Checkpointer:
         try:
             self._process.close(abort=abort)
         finally:
+            self._release(keep_slots=False)
+
+    def _release(self, keep_slots: bool) -> None:
+        """What the Checkpointer holds besides its writer: its slots (freed, or left to the
+        writer with `keep_slots`), its heartbeat and its replica port."""
+        if keep_slots:
+            self._stager.detach()
+        else:
             self._stager.close()
-            if self._heartbeat is not None:
-                self._heartbeat.stop(remove=True)
-            if self._replica_port is not None:
-                self._replica_port.close()
+        if self._heartbeat is not None:
+            self._heartbeat.stop(remove=True)
+        if self._replica_port is not None:
+            self._replica_port.close()
 
     @staticmethod
     def _finalize(
@@ -762,11 +770,4 @@ class Checkpointer:
         try:
             handed = self._process.leave_holding()
         finally:
-            if handed:
-                self._stager.detach()
-            else:
-                self._stager.close()
-            if self._heartbeat is not None:
-                self._heartbeat.stop(remove=True)
-            if self._replica_port is not None:
-                self._replica_port.close()
+            self._release(keep_slots=handed)

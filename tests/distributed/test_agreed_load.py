@@ -12,6 +12,8 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,13 +50,12 @@ RANK = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(RUN_TIMEOUT + 60)
-def test_a_rank_that_cannot_load_fails_every_rank_at_once(tmp_path):
+def two_ranks(code: str, tmp_path: Path, env: dict[str, str]) -> list[Any]:
+    """Run `code` on two ranks under torchrun (arguments: the root, the output folder); what
+    each rank wrote to ``rank<r>.json``."""
     script, root, out = tmp_path / "rank.py", tmp_path / "root", tmp_path / "out"
-    script.write_text(RANK)
+    script.write_text(code)
     out.mkdir()
-    env = child_env() | {"PYSHMCKPT_RESTORE_TIMEOUT": str(RESTORE_TIMEOUT)}
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
@@ -62,7 +63,14 @@ def test_a_rank_that_cannot_load_fails_every_rank_at_once(tmp_path):
         capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT + 60)
+def test_a_rank_that_cannot_load_fails_every_rank_at_once(tmp_path):
+    env = child_env() | {"PYSHMCKPT_RESTORE_TIMEOUT": str(RESTORE_TIMEOUT)}
+    ranks = two_ranks(RANK, tmp_path, env)
     assert ranks[1]["outcome"].startswith("CheckpointMismatchError: "), ranks
     assert ranks[0]["outcome"].startswith("RestoreError: rank 1 cannot restore "), ranks
     assert "CheckpointMismatchError" in ranks[0]["outcome"], ranks
@@ -101,16 +109,5 @@ FIRST_START = textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
 def test_every_rank_finds_nothing_on_a_first_start_then_its_own_save(tmp_path):
-    script, root, out = tmp_path / "rank.py", tmp_path / "root", tmp_path / "out"
-    script.write_text(FIRST_START)
-    out.mkdir()
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-         str(script), str(root), str(out)],
-        capture_output=True, text=True, env=child_env(), timeout=RUN_TIMEOUT,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    for r in (0, 1):
-        seen = json.loads((out / f"rank{r}.json").read_text())
+    for r, seen in enumerate(two_ranks(FIRST_START, tmp_path, child_env())):
         assert seen == ["None", "CheckpointNotFoundError", [3, [float(r)] * 4]], (r, seen)
