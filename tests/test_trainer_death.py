@@ -325,5 +325,6 @@ def test_a_job_stopped_and_continued_mid_save_finishes_it(tmp_path, when):
             trainer.communicate(timeout=30)
     assert trainer.returncode == 0, err
     result = json.loads(out.splitlines()[-1])
-    assert result == {"saved": True, "writer": writer}, (result, err)
+    if result != {"saved": True, "writer": writer}:
+        pytest.fail(f"{result}\nthe trainer's log:\n{err}", pytrace=False)
     assert (root / "final" / "commit.json").exists()

@@ -653,7 +653,8 @@ class Arena:
 
         Raises:
             StagerClosedError: the arena is closed.
-            SlotsBusyError: no slot became free within `timeout`.
+            SlotsBusyError: no slot became free within `timeout` (a free slot still being
+                faulted in is waited for: it is not busy).
         """
         deadline = time.monotonic() + timeout
         collected: float | None = None
@@ -671,7 +672,10 @@ class Arena:
                 collect = any(s.state is SlotState.READY for s in self.slots) and (
                     collected is None or now - collected >= _COLLECT_EVERY
                 )
-                if remaining <= 0 and not collect:
+                # A free slot still being faulted in (in the background) is not a busy one: it
+                # is waited for whatever the timeout (a loaded node may take a while).
+                filling = any(not s.ready and self._available(s) for s in self.slots)
+                if remaining <= 0 and not collect and not filling:
                     states = ", ".join(s.state.value for s in self.slots)
                     raise SlotsBusyError(
                         f"no free slot among {len(self.slots)} after {timeout:.3g}s (slots: {states}); "
@@ -680,7 +684,7 @@ class Arena:
                     )
                 if not collect:
                     # Releases notify at once; dropped references are noticed on the next check.
-                    self._cond.wait(min(remaining, 0.005))
+                    self._cond.wait(min(max(remaining, 0.0), 0.005) or 0.005)
                     continue
             collected = time.monotonic()
             gc.collect()  # outside the lock: finalizers it runs may close or release slots

@@ -811,7 +811,14 @@ class WriterProcess:
             return False
         # Reaped before anything fails: its slots are not read any more.
         if stalled:
-            self.kill(f"a write made no progress for {self._stall_timeout:g} s")
+            with self._lock:
+                in_hand = self._pending[min(self._pending)]
+                quiet = now - max(self._activity, in_hand.sent or now)
+                paused = self._paused
+            self.kill(
+                f"a write made no progress for {self._stall_timeout:g} s (last progress "
+                f"{quiet:.1f} s ago, {paused:.1f} s of it with this process stopped)"
+            )
             timeout: WriteTimeoutError = WriteStalledError(
                 self._exit_text(
                     f"checkpoint write made no progress for {self._stall_timeout:g} s (a hung "

@@ -324,3 +324,20 @@ def test_a_slot_a_device_copy_may_still_write_is_never_unmapped(caplog):
     assert "stays mapped" in caplog.text
     # Still mapped: a late copy lands in our memory, not in memory reused for something else.
     assert ctypes.string_at(address + size - 16, 16) == b"\x07" * 16
+
+
+def test_a_slot_still_being_faulted_in_is_waited_for_not_called_busy():
+    """A free slot the background thread is still faulting in is coming, not busy: an acquire
+    waits for it whatever its timeout (a loaded node may take long to fault a slot in)."""
+    arena = Arena(256 * MIB, 2, pin=False, background=True)
+    try:
+        first = arena.acquire(0, timeout=1.0)
+        arena.transition(first, SlotState.READY)
+        arena.transition(first, SlotState.WRITING)  # held: the other slot is faulted in now
+        second = arena.acquire(1, timeout=0)
+        assert second is arena.slots[1]
+        assert second.ready
+        with pytest.raises(SlotsBusyError, match="no free slot"):  # a busy ring still times out
+            arena.acquire(2, timeout=0)
+    finally:
+        arena.close()
