@@ -105,6 +105,31 @@ def new_temp_dir(root: Path, name: str) -> Path:
     return path
 
 
+def has_checkpoints(root: Path) -> bool:
+    """Whether `root` holds anything of a checkpoint, committed or damaged: a directory (not
+    hidden, not ``latest``) with a commit record or a rank's manifest. A root without one (or
+    no root) is a job's first start; a root whose checkpoints are all damaged is not.
+
+    Raises:
+        PyshmckptOSError: the root cannot be listed (not for a missing root).
+    """
+    try:
+        entries = list(os.scandir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as exc:
+        raise from_os_error(exc, f"cannot list {root}") from None
+    for entry in entries:
+        if entry.name.startswith(".") or entry.name == LATEST:
+            continue
+        with contextlib.suppress(OSError):
+            if entry.is_dir(follow_symlinks=False):
+                path = Path(entry.path)
+                if (path / COMMIT_RECORD).exists() or any(path.glob("rank*.json")):
+                    return True
+    return False
+
+
 def committed(root: Path) -> list[tuple[int, str]]:
     """(sequence, name) of every committed checkpoint, oldest first."""
     out = []

@@ -20,7 +20,7 @@ from ..errors import (
     PyshmckptError,
     RestoreError,
 )
-from ..storage import reader
+from ..storage import commit, reader
 from ..storage.rank_files import OpenedRank, checkpoint_dir, open_rank
 from ..storage.safetensors_writer import file_names
 from . import restore
@@ -239,7 +239,8 @@ def _open(
         return open_rank(path, rank), "", rank
     if source == "disk":
         directory = checkpoint_dir(path)
-        if directory == Path(path) and not (directory / file_names(0)[1]).exists():
+        nothing = directory == Path(path) and not (directory / file_names(0)[1]).exists()
+        if nothing and not commit.has_checkpoints(Path(path)):  # damaged ones are not nothing
             raise CheckpointNotFoundError(str(path), "checkpoint missing: none committed")
         rank = rank if explicit else _saved_rank(directory, rank)
         return open_rank(path, rank), "", rank

@@ -47,6 +47,8 @@ from .held import open_held
 logger = logging.getLogger(__name__)
 
 SOURCES = ("auto", "memory", "disk")
+NONE_HELD = "none held in memory"  # a rank's status when no record of its root and rank exists
+NOT_ASKED = "not asked"  # the status of a restore from disk only
 
 
 class Option(NamedTuple):
@@ -111,21 +113,27 @@ def choose(
     root = Path(root)
     me = rank if me is None else me
     check = agree and _ranks() > 1
-    if source != "disk":
-        records.wait_for_holders(root, rank, orphan_wait(check))
-    held, record, status = _held(root, rank) if source != "disk" else (None, None, "not asked")
+    settled = source == "disk" or records.wait_for_holders(root, rank, orphan_wait(check))
+    held, record, status = _held(root, rank) if source != "disk" else (None, None, NOT_ASKED)
     if distrust and me in distrust:
         if held is not None:
             held.file.close()
         held, record, status = None, None, distrust[me]
     options = _options(root, rank, record, source, timed=check or record is not None)
+    # Nothing at all (a first start), not merely nothing usable: no record, none pending, and
+    # nothing of a checkpoint on disk, damaged ones included.
+    empty = (
+        settled
+        and status in (NONE_HELD, NOT_ASKED)
+        and (source == "memory" or not commit.has_checkpoints(root))
+    )
     choice = None
     try:
         if check:
-            mine = View(me, rank, options, status, [], None)
+            mine = View(me, rank, options, status, [], None, empty)
             choice = _agree(root, mine, held, source, process_group)
         else:
-            plan = _plan(root, source, [View(me, rank, options, status, [], None)], set())
+            plan = _plan(root, source, [View(me, rank, options, status, [], None, empty)], set())
             choice = _mine(plan, me, rank, held, source, root)
     finally:
         if held is not None and (choice is None or choice.opened is not held):
@@ -166,6 +174,7 @@ class View(NamedTuple):
     status: str
     offers: list[peer_restore.Offer]
     server: tuple[str, int] | None
+    empty: bool  # nothing at all to restore from its source: no record, no checkpoint on disk
 
 
 class Plan(NamedTuple):
@@ -290,7 +299,7 @@ def _plan(root: Path, source: str, views: list[View], failed: set[tuple[int, int
     common = set.intersection(*(set(names) for names in where.values()))
     if not common:
         reasons = "; ".join(f"rank {v.rank}: {v.status}" for v in views)
-        nothing = not any(v.options or v.offers for v in views)  # a job's first start
+        nothing = all(v.empty and not v.offers for v in views)  # a job's first start
         raise (CheckpointNotFoundError if nothing else CheckpointCorruptError)(
             str(root),
             f"checkpoint missing: none that every rank can restore from {source} ({reasons})",
@@ -325,7 +334,7 @@ def _held(root: Path, rank: int) -> tuple[OpenedRank | None, dict[str, Any] | No
     None and why not."""
     record = peer_restore.held_here(root, rank)
     if record is None:
-        return None, None, "none held in memory"
+        return None, None, NONE_HELD
     try:
         opened = open_held(record)
     except (PyshmckptError, OSError) as exc:  # gone, damaged, or not to be mapped here
@@ -415,10 +424,11 @@ def _all_gather(group: Any, mine: Any) -> list[Any]:
 
 
 def _view(raw: Any) -> View:
-    rank, files, options, status, offers, server = raw
+    rank, files, options, status, offers, server, empty = raw
     return View(
         int(rank), int(files), [Option(*o) for o in options], str(status),
         [peer_restore.Offer(*o) for o in offers], tuple(server) if server else None,
+        bool(empty),
     )  # fmt: skip
 
 

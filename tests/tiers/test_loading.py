@@ -47,3 +47,20 @@ def test_a_damaged_checkpoint_is_not_taken_for_a_first_start(tmp_path):
         with pytest.raises(pyshmckpt.CheckpointCorruptError) as raised:
             pyshmckpt.load(root, source=source, missing_ok=True)
         assert not isinstance(raised.value, pyshmckpt.CheckpointNotFoundError)
+
+
+def test_a_root_whose_checkpoints_are_damaged_is_never_taken_for_a_first_start(tmp_path):
+    root = tmp_path / "root"
+    with opened(root) as checkpointer:
+        for step in (5, 7):
+            checkpointer.save({"step": step}, name=f"step-{step}").result(SAVE_TIMEOUT)
+    (root / "step-7" / "commit.json").unlink()  # the newest lost its commit record
+    assert pyshmckpt.load(root, missing_ok=True)["step"] == 5  # the newest committed
+    with pytest.raises(pyshmckpt.CheckpointCorruptError) as raised:  # `latest` names step-7
+        pyshmckpt.load(root, source="disk", missing_ok=True)
+    assert not isinstance(raised.value, pyshmckpt.CheckpointNotFoundError)
+    (root / "step-5" / "commit.json").write_text("{")  # and the other's is truncated
+    for source in ("auto", "disk"):
+        with pytest.raises(pyshmckpt.CheckpointCorruptError) as raised:
+            pyshmckpt.load(root, source=source, missing_ok=True)
+        assert not isinstance(raised.value, pyshmckpt.CheckpointNotFoundError), source
