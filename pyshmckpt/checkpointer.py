@@ -348,6 +348,7 @@ class Checkpointer:
                 self._heartbeat.stop(remove=True)
             raise
         self._pending: list[Future[Path]] = []
+        self._saved = False
         self._lock = threading.Lock()
         self._names = itertools.count(1 + max((seq for seq, _ in self._committed()), default=0))
         # Finalizers run newest first at interpreter exit: without this one (made last), the
@@ -532,6 +533,7 @@ class Checkpointer:
         written.add_done_callback(done)
         with self._lock:
             self._pending = [p for p in self._pending if not p.done()] + [result]
+            self._saved = True  # handed to the writer: it has something to hold
         return result
 
     def wait(self, timeout: float | None = None) -> list[Path]:
@@ -761,8 +763,12 @@ class Checkpointer:
         self._leave_held()
 
     def _leave_held(self) -> None:
-        """Close, but hand the memory over to the writer process (see `__exit__`)."""
+        """Close, but hand the memory over to the writer process (see `__exit__`); a plain
+        `close` when no save was made and nothing taken over (nothing to hold)."""
         if self._closed:
+            return
+        if not self._saved and self._taken is None:
+            self.close()
             return
         self._closed = True
         self._finalizer.detach()

@@ -823,7 +823,7 @@ def test_a_trainer_that_took_a_hold_over_and_died_before_saving_leaves_no_slot_b
 
 # A training script as users write it: a `with` block, a persisted save and a newer memory-only
 # one, then the training fails ("error"), fails and is caught ("caught": the script goes on and
-# loads), or the script ends on purpose ("exit": sys.exit(0)).
+# loads), ends on purpose ("exit": sys.exit(0)), or fails before its first save ("early").
 FAILING_BLOCK = textwrap.dedent(
     """
     import sys
@@ -834,7 +834,9 @@ FAILING_BLOCK = textwrap.dedent(
 
     root, how = sys.argv[1], sys.argv[2]
     try:
-        with pyshmckpt.Checkpointer(root) as ck:
+        with pyshmckpt.Checkpointer(root, capacity_bytes=4 << 20) as ck:
+            if how == "early":
+                raise RuntimeError("the training failed")
             ck.save({"w": torch.full((256,), 5.0), "step": 5}, name="step-5").result(timeout=60)
             ck.save({"w": torch.full((256,), 7.0), "step": 7}, name="step-7", persist=False)
             if how == "exit":
@@ -849,34 +851,38 @@ FAILING_BLOCK = textwrap.dedent(
 
 
 @pytest.mark.timeout(TEST_TIMEOUT)
-@pytest.mark.parametrize("how", ["error", "caught", "exit"])
+@pytest.mark.parametrize("how", ["error", "caught", "exit", "early"])
 def test_an_exception_out_of_a_with_block_leaves_the_newest_checkpoint_held(
     tmp_path, monkeypatch, how
 ):
     """The end of a ``with`` block on an exception is a trainer's failure, not the job's end:
     the pending saves finish and the newest checkpoint, memory-only, stays held for the next
     trainer (as after a crash), also when the script catches the exception and goes on. A
-    ``sys.exit(0)`` out of the block is a clean end: everything is freed."""
+    ``sys.exit(0)`` out of the block is a clean end, and a failure before any save has nothing
+    to hold: everything is freed. Nothing of the job is left in /dev/shm once the hold ends."""
     prefix = f"{os.environ[PREFIX_VARIABLE]}-with-{how}"
     monkeypatch.setenv(PREFIX_VARIABLE, prefix)
     script_path = tmp_path / "train.py"
     script_path.write_text(FAILING_BLOCK)
     root = tmp_path / "ckpt"
     env = child_env() | {PREFIX_VARIABLE: prefix, "PYSHMCKPT_HOLD_TIMEOUT": "120"}
+    left: set[str] = set()
     try:
         done = subprocess.run(
             [sys.executable, str(script_path), str(root), how], capture_output=True, text=True,
             env=env, cwd=str(tmp_path), timeout=TEST_TIMEOUT / 2,
         )  # fmt: skip
-        if how == "error":
+        if how in ("error", "early"):
             assert done.returncode == 1
             assert "RuntimeError: the training failed" in done.stderr
         else:
             assert done.returncode == 0, done.stderr
-        if how == "exit":
+        if how in ("exit", "early"):
             assert "restored step" not in done.stdout
             assert records.holds(prefix) == []
-            assert pyshmckpt.load(root)["step"] == 5  # the newest on disk
+            assert ours(prefix) == set()  # every slot freed
+            if how == "exit":
+                assert pyshmckpt.load(root)["step"] == 5  # the newest on disk
             return
         if how == "caught":  # the same process, once the block was left
             assert done.stdout.splitlines() == ["restored step 7"], done.stderr
@@ -888,6 +894,10 @@ def test_an_exception_out_of_a_with_block_leaves_the_newest_checkpoint_held(
         assert torch.equal(state["w"], torch.full((256,), 7.0))
         assert visible(root) == ["step-5"]
     finally:
-        end_holds(prefix)
-        for name in ours(prefix):
+        end_holds(prefix)  # the holder frees its segment as it exits
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: not ours(prefix), 10, "the holder to free its segment")
+        left = ours(prefix)
+        for name in left:
             (SHM / name).unlink(missing_ok=True)
+    assert left == set()

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, NotSupportedError
 from ..shm import stale
 
 
@@ -45,13 +45,17 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _checked(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Report a corrupt checkpoint as one line on stderr and exit status 1."""
+    """Report a corrupt checkpoint, or one this pyshmckpt cannot read (a newer format), as one
+    line on stderr and exit status 1."""
 
     def wrapped(args: argparse.Namespace) -> int:
         try:
             return run(args)
         except CheckpointCorruptError as exc:
             print(f"CORRUPT: {exc}", file=sys.stderr)
+            return 1
+        except NotSupportedError as exc:
+            print(f"NOT SUPPORTED: {exc}", file=sys.stderr)
             return 1
 
     return wrapped

@@ -26,8 +26,8 @@ def _load() -> ModuleType:
     raise ExtensionMissingError(
         f"pyshmckpt's compiled extension (pyshmckpt._C) is missing from {package}. In a clone of "
         "the repository, build it in place with `python -m pip install torch==2.13.0 "
-        "scikit-build-core pybind11 && python -m pip install --no-build-isolation -e .` (see the "
-        "README's 'Contributing'), or install pyshmckpt with `python -m pip install .` and import "
+        "scikit-build-core pybind11 && python -m pip install --no-build-isolation -e .` (see "
+        "CONTRIBUTING.md), or install pyshmckpt with `python -m pip install .` and import "
         "it from outside the clone."
     )
 

@@ -354,23 +354,29 @@ def writer_main(
             else:
                 spool.close()
         elif request.kind is Kind.TERMINATE:
-            error = None
             close = getattr(writer, "close", None)
-            if callable(close):
-                try:
-                    close()
-                except BaseException:
-                    error = traceback.format_exc()
-            if request.payload.get("hold") and error is None:
+            if request.payload.get("hold"):
                 # The trainer leaves on an error: hold the newest checkpoint (and the replicas
                 # held for other nodes) for the next trainer, as after its death; said before
-                # the answer, so that a restore right after it waits for the hold.
+                # the answer, so that a restore right after it waits for the hold. Answered
+                # at once: the writer's own close() (which may take a while) comes after.
                 holding.HOLDER.announce()
                 outbox.send(
                     Response(Kind.TERMINATE, request.id, ok=True, payload={"holding": True})
                 )
                 watch.handed_over()
+                if callable(close):
+                    try:
+                        close()
+                    except Exception:
+                        logger.exception("the writer's close() failed")
                 watch.exit(0)
+            error = None
+            if callable(close):
+                try:
+                    close()
+                except BaseException:
+                    error = traceback.format_exc()
             try:  # the job ends: replicas held here too
                 replication.release_all()
             except Exception:

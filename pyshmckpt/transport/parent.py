@@ -542,11 +542,11 @@ class WriterProcess:
             sent = send(self._conn, Request(Kind.TERMINATE, request_id, payload={"hold": True}))
         taken = False
         if sent:
-            with contextlib.suppress(Exception):  # not answered in time, or refused
+            with contextlib.suppress(Exception):  # not answered in time, or it died
                 taken = bool(held.result(timeout=self._shutdown_timeout).get("holding"))
-        if not taken:
+        if not taken:  # an unresponsive writer is not one to leave alone: stopped as by close()
+            self.kill("it did not take the trainer's memory over")
             with self._lock:
-                self._pending.pop(request_id, None)
                 self._closing = False
             return False
         if self._dispatcher is not None and self._dispatcher is not threading.current_thread():
@@ -710,8 +710,12 @@ class WriterProcess:
                 return
             if time.monotonic() - checked - (timeout or 0.0) > suspension.PAUSED:
                 # Late, or woken from a wait without a deadline (a write handed over meanwhile):
-                # this process may have been stopped (the clock's thread tells).
-                self._count_pause(stops.stopped_since(checked))
+                # this process may have been stopped (the clock's thread tells). Only a stop
+                # while a request was out counts: an idle one delays nothing.
+                with self._lock:
+                    sent = [p.sent for p in self._pending.values() if p.sent is not None]
+                if sent:
+                    self._count_pause(stops.stopped_since(max(checked, min(sent))))
             if self._expire():
                 return
             checked = time.monotonic()

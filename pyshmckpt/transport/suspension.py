@@ -21,7 +21,8 @@ PAUSED = 3.0
 
 
 class StopClock:
-    """The stops of this process, as the gaps between the ticks of a daemon thread."""
+    """The stops of this process, as the gaps between the ticks of a daemon thread: each one
+    the time (start, end) when the thread should have ticked and did not."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -34,27 +35,27 @@ class StopClock:
             time.sleep(TICK)
             now = time.monotonic()
             with self._cond:
-                gap = now - self._last - TICK
-                if gap > PAUSED:
-                    self._gaps.append((now, gap))
+                if now - self._last - TICK > PAUSED:
+                    self._gaps.append((self._last + TICK, now))
                 self._last = now
                 self._cond.notify_all()
 
     def stopped_since(self, since: float) -> float:
-        """Seconds this process was stopped after `since` (a `time.monotonic()` reading). When
-        the clock's last tick is late, a stop may just have ended: it waits for the next tick
-        (at most `PAUSED` seconds), so that the stop is counted. A tick that has not come by
-        then leaves a gap still open: the process has hardly run at all (a node so loaded that
-        neither thread was scheduled), which counts as a stop too."""
+        """Seconds this process was stopped between `since` (a `time.monotonic()` reading) and
+        now: only what of each stop falls after `since`. When the clock's last tick is late, a
+        stop may just have ended: it waits for the next tick (at most `PAUSED` seconds), so
+        that the stop is counted. A tick that has not come by then leaves a gap still open: the
+        process has hardly run at all (a node so loaded that neither thread was scheduled),
+        which counts as a stop too."""
         asked = time.monotonic()
         with self._cond:
             ticked = asked - self._last < 2 * TICK or self._cond.wait_for(
                 lambda: self._last >= asked, timeout=PAUSED
             )
-            stopped = sum(gap for end, gap in self._gaps if end > since)
+            gaps = list(self._gaps)
             if not ticked:
-                stopped += max(0.0, time.monotonic() - max(self._last, since) - TICK)
-            return stopped
+                gaps.append((self._last + TICK, time.monotonic()))
+        return sum(max(0.0, end - max(start, since)) for start, end in gaps)
 
 
 _CLOCK: StopClock | None = None

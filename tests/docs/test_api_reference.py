@@ -92,7 +92,7 @@ INTERNAL: dict[str, dict[str, str]] = {
     },
 }
 # Classes handed out by the library whose constructor is not for users (no signature shown).
-NOT_CONSTRUCTED = {"pyshmckpt.StagedHandle"}
+NOT_CONSTRUCTED = {"pyshmckpt.StagedHandle", "pyshmckpt.Slot"}  # made by a stager or an arena
 # Modules of pyshmckpt.integrations that are not adapters a user imports.
 INTERNAL_MODULES = {"deepspeed_latest": "the writer process's side of the DeepSpeed adapter"}
 

@@ -1,7 +1,8 @@
 """The checkpoint format's promise (docs/format.md): a checkpoint of format version 1, kept in
 tests/data/format-1 as the writer made it, loads as it was saved, and the writer still writes
-those bytes for that state (a change of the format must change `FORMAT_VERSION` and this
-fixture together); a manifest of a newer version is refused, never misread.
+those bytes for that state (a change of the format changes `FORMAT_VERSION` and adds a fixture
+of the new version beside this one, which stays and goes on loading); a manifest of a newer
+version is refused, never misread, and one without a version is of version 1.
 """
 
 from __future__ import annotations
@@ -96,3 +97,28 @@ def test_a_manifest_of_another_format_version_is_refused(tmp_path, version, erro
     for path in (root / "step-7", root):
         with pytest.raises(error, match=match):
             pyshmckpt.load(path, source="disk")
+
+
+def test_a_manifest_without_a_format_version_is_of_version_1(tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(GOLDEN, root)
+    manifest_path = root / "step-7" / "rank0.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["format_version"]
+    manifest_path.write_text(json.dumps(manifest))
+    assert pyshmckpt.load(root / "step-7")["step"] == 7
+
+
+def test_the_command_line_says_a_newer_format_is_not_supported(tmp_path, capsys):
+    from pyshmckpt.cli import main
+
+    path = tmp_path / "step-7"
+    shutil.copytree(GOLDEN / "step-7", path)
+    manifest = json.loads((path / "rank0.json").read_text())
+    manifest["format_version"] = FORMAT_VERSION + 1
+    (path / "rank0.json").write_text(json.dumps(manifest))
+    for command in ("verify", "inspect"):
+        assert main([command, str(path)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("NOT SUPPORTED: "), err
+        assert "by a newer pyshmckpt" in err, err

@@ -11,6 +11,8 @@ import textwrap
 import threading
 import time
 
+import pytest
+
 from pyshmckpt.transport import suspension
 
 from helpers import child_env
@@ -79,3 +81,12 @@ def test_a_clock_whose_thread_is_not_scheduled_counts_the_open_gap():
     time.sleep(2 * suspension.TICK)  # its last tick is late by now
     stopped = stops.stopped_since(started)  # waits for a tick that never comes
     assert suspension.PAUSED - suspension.TICK - 0.1 <= stopped < suspension.PAUSED + 5.0
+
+
+def test_only_the_part_of_a_stop_after_the_time_asked_about_counts():
+    stops = suspension.StopClock()
+    now = time.monotonic()
+    stops._gaps.append((now - 30.0, now - 20.0))  # a stop of 10 s, ended 20 s ago
+    assert stops.stopped_since(now - 40.0) == pytest.approx(10.0)
+    assert stops.stopped_since(now - 24.0) == pytest.approx(4.0)  # its last 4 s only
+    assert stops.stopped_since(now - 10.0) == 0.0  # over before: an idle stop delays nothing
