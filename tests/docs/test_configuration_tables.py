@@ -23,6 +23,8 @@ from pyshmckpt import ConfigError, knobs
 
 REPO = Path(__file__).resolve().parents[2]
 GUIDES = REPO / "docs" / "guides"
+# Every page a user reads: the site's and the front page.
+PAGES = sorted([*(REPO / "docs").rglob("*.md"), REPO / "README.md", REPO / "CONTRIBUTING.md"])
 CONFIGURATION = GUIDES / "configuration.md"
 CSRC = REPO / "csrc"
 PACKAGE = Path(pyshmckpt.__file__).resolve().parent
@@ -215,7 +217,7 @@ def test_defaults_quoted_beside_a_variable_in_the_guides(monkeypatch: pytest.Mon
     after = re.compile(r"`(PYSHMCKPT_\w+)`(?:,|:| \()\s*([\d][\d,.]*\d|\d)\s*(s|KiB|MiB|GiB)?\b")
     before = re.compile(r"\b([\d][\d,.]*\d|\d)\s*(s|KiB|MiB|GiB)? by default, `(PYSHMCKPT_\w+)`")
     checked = 0
-    for path in sorted(GUIDES.glob("*.md")):
+    for path in PAGES:
         text = " ".join(path.read_text().split())  # a quote may span a line break
         for name in set(re.findall(r"PYSHMCKPT_[A-Z0-9_]+\b", text)):
             assert name in values, f"{path.name} names {name}, which nothing reads"
@@ -344,7 +346,7 @@ def written_signatures() -> list[tuple[str, str, str]]:
     """(guide, callable, parameters) of each signature a guide writes out: a code span
     ``name(...)`` of a callable above with a bare ``*`` or a ``**name`` (which no call has)."""
     found = []
-    for path in sorted(GUIDES.glob("*.md")):
+    for path in PAGES:
         for span in code_spans(path.read_text()):
             span = " ".join(span.split())
             match = re.fullmatch(r"(?:pyshmckpt\.)?(\w+)\((.*)\)", span)

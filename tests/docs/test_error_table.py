@@ -19,6 +19,8 @@ from pyshmckpt import PyshmckptError, PyshmckptWarning, errors
 
 REPO = Path(__file__).resolve().parents[2]
 GUIDES = REPO / "docs" / "guides"
+# Every page a user reads: the site's and the front page.
+PAGES = sorted([*(REPO / "docs").rglob("*.md"), REPO / "README.md", REPO / "CONTRIBUTING.md"])
 FAILURES = GUIDES / "failures.md"
 
 
@@ -93,7 +95,7 @@ def test_table_lists_every_class_with_its_bases(heading: str, root: type) -> Non
 
 
 def test_every_error_a_guide_names_exists() -> None:
-    for path in sorted(GUIDES.glob("*.md")):
+    for path in PAGES:
         for span in code_spans(path.read_text()):
             for name in re.findall(r"\b(\w+(?:Error|Warning))\b", span):
                 assert name in pyshmckpt.__all__ or isinstance(
