@@ -220,6 +220,10 @@ def _load_agreed(
     finally:
         if process_group is None:
             dist.destroy_process_group(group)
+        # This frame may outlive the call in a cycle with the error raised from it (the error's
+        # traceback holds the frame): it must not keep the group, whose gloo threads would then
+        # be torn down at interpreter exit, aborting the process.
+        group = None
 
 
 def _open(

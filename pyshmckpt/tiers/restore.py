@@ -233,6 +233,7 @@ def _agree(
             server.close()
         if process_group is None:
             dist.destroy_process_group(group)
+        group = None  # not kept by this frame, should an error's traceback keep it (see load)
 
 
 def _fetch_or_open(
