@@ -684,7 +684,7 @@ class Arena:
                     )
                 if not collect:
                     # Releases notify at once; dropped references are noticed on the next check.
-                    self._cond.wait(min(max(remaining, 0.0), 0.005) or 0.005)
+                    self._cond.wait(min(remaining, 0.005) if remaining > 0 else 0.005)
                     continue
             collected = time.monotonic()
             gc.collect()  # outside the lock: finalizers it runs may close or release slots

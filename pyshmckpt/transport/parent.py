@@ -509,10 +509,7 @@ class WriterProcess:
             spool, self._spool = self._spool, None
         if spool is not None:
             spool.close()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._wake_r = self._wake_w = -1
+        self._close_wake_pipe()
         if process is not None and self._alive():
             return [WriterShutdownTimeoutError(f"writer process {process.pid} survived SIGKILL")]
         return []
@@ -553,10 +550,7 @@ class WriterProcess:
             self._dispatcher.join(self._shutdown_timeout + 1.0)  # it stops at that answer
         with contextlib.suppress(OSError):
             self._conn.close()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._wake_r = self._wake_w = -1
+        self._close_wake_pipe()
         logger.info("writer process %d holds the newest checkpoint on its own", process.pid)
         return True
 
@@ -621,6 +615,12 @@ class WriterProcess:
         if self._conn is not None:
             with contextlib.suppress(OSError):
                 self._conn.close()
+
+    def _close_wake_pipe(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):
