@@ -49,6 +49,24 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def end_distributed() -> None:
+    """Tear torch.distributed down at the end of a rank's script, then let gloo's threads finish.
+
+    A gloo worker thread frees a finished collective after the caller has returned from it; a
+    collective made during backward() holds a Python object (the autograd context torch stashes
+    in thread-local state), so freeing it takes the GIL. If the interpreter is finalizing by
+    then, the thread is ended mid-destructor and the process aborts ("terminate called without
+    an active exception": pytorch/pytorch#117762, seen with DDP over gloo). Sleeping hands the
+    GIL over while the interpreter is whole; torch gives no way to wait for those threads.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    time.sleep(0.5)
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now (for a rendezvous of ranks)."""
     with socket.socket() as s:

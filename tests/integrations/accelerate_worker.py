@@ -18,7 +18,7 @@ from accelerate import Accelerator
 
 from pyshmckpt.integrations.accelerate import ShmStateSaver
 
-from helpers import SAVE_TIMEOUT, assert_same_tree, bounded_config
+from helpers import SAVE_TIMEOUT, assert_same_tree, bounded_config, end_distributed
 
 STEPS = 2  # training steps before the save, and again after it
 
@@ -128,8 +128,4 @@ def save_load_resume(directory: Path) -> None:
 
 if __name__ == "__main__":
     save_load_resume(Path(sys.argv[1]).resolve())
-    # Torn down here, not by the interpreter's exit: gloo's threads ending during exit aborted
-    # both ranks once in CI ("terminate called without an active exception").
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_distributed()

@@ -48,6 +48,8 @@ from pyshmckpt import CheckpointProcessConfig, CommitError, NotSupportedError  #
 from pyshmckpt.integrations.deepspeed import use_pyshmckpt  # noqa: E402
 from pyshmckpt.storage import TorchFileWriter  # noqa: E402
 
+from helpers import end_distributed  # noqa: E402
+
 SLOW_WRITE_SECONDS = 1.5  # how long the slow writer sleeps before each file
 LATE_START_SECONDS = 3.0  # how much later than the others rank 0's writer is ready in resume*
 BOUND = 30.0  # seconds any wait below may take (also the engines' commit_timeout)
@@ -377,7 +379,7 @@ def main() -> None:
         started = time.monotonic()
         SCENARIOS[name](out)
         print(f"rank {dist.get_rank()}: {name} passed ({time.monotonic() - started:.1f} s)")
-    dist.destroy_process_group()
+    end_distributed()
 
 
 if __name__ == "__main__":

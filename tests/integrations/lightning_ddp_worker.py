@@ -12,6 +12,7 @@ import torch.distributed as dist
 from pyshmckpt import cli
 from pyshmckpt.integrations.lightning import ShmCheckpointIO
 
+from helpers import end_distributed
 from lightning_app import STEPS_PER_EPOCH, checkpoint_names, fit, same_parameters
 
 
@@ -45,11 +46,7 @@ def main() -> None:
     if not same_parameters(resumed, model):
         raise SystemExit(f"rank {rank}: resuming from {oldest} diverged")
     (root / f"ok-{rank}").touch()
-    # Torn down here, not by the interpreter's exit: gloo's threads ending during exit aborted
-    # the ranks of a like test once in CI ("terminate called without an active exception").
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    end_distributed()
 
 
 if __name__ == "__main__":
