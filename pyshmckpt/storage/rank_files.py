@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import mmap
 import os
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from ..errors import CheckpointCorruptError, NotSupportedError, from_os_error
 from ..shm.native import copy_threads, crc32c
 from ..staging.manifest import ARRAY, ARRAY_DTYPES, DTYPES, PARAMETER, REQUIRES_GRAD
 from . import commit
-from .safetensors_header import expected_crcs, parse_header
+from .safetensors_header import CODE_TO_DTYPE, expected_crcs, parse_header
 from .safetensors_writer import FORMAT, FORMAT_VERSION, file_names
 
 
@@ -82,96 +83,167 @@ def tensors_of(
     loaded: dict[str, torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """The described tensors as views of their entries: of `loaded` (entry name -> its bytes in
-    memory) where given, else of the file map `view`. Rows that were arrays are tensors too
-    (their flags say which kind of array; `reader.load` makes them)."""
+    memory, as `entry_tensor` made them) where given, else of the file map `view`. Rows that
+    were arrays are tensors too (their flags say which kind of array; `reader.load` makes them).
+
+    A row that is the whole of its entry, as the entry's header describes it, is the loaded
+    tensor itself (the first such row of an entry; later ones are views of it), so the usual
+    state costs no tensor operation per tensor beyond its allocation."""
     if not isinstance(described, list):
         raise CheckpointCorruptError(str(st_path), "the manifest lists no tensors")
-    raws: dict[str, torch.Tensor | None] = dict(loaded or {})
+    dtypes = DTYPES
+    entries = header.entries
+    loaded = loaded or {}
+    whole_taken: set[str] = set()
+    firsts: dict[str, torch.Tensor] = {}  # an entry's own tensor: its storage is the entry's
+    raws: dict[str, torch.Tensor | None] = {}
     bases: dict[tuple[str, torch.dtype], torch.Tensor] = {}
     out = []
-    for item in described:
-        name = item.get("name") if isinstance(item, dict) else None
-        try:
-            dtype = DTYPES[item["dtype"]]
-            shape = [int(d) for d in item["shape"]]
-            stride = [int(s) for s in item["stride"]]
-            offset = int(item["offset"])
-            flags = int(item.get("flags", 0))
-            entry_name = item["entry"]
-            if entry_name is not None and not isinstance(entry_name, str):
+    with torch.no_grad():
+        for item in described:
+            name, dtype, shape, stride, offset, flags, entry_name = _row(st_path, item, dtypes)
+            if entry_name is None:
+                if 0 in shape:
+                    out.append(_flagged(unfilled(shape, dtype), flags))
+                    continue
                 raise CheckpointCorruptError(
-                    str(st_path),
-                    "malformed tensor description: entry must be a string or null",
-                    tensor=name,
+                    str(st_path), "tensor with elements but no data", tensor=name
                 )
-            if flags & REQUIRES_GRAD and not (dtype.is_floating_point or dtype.is_complex):
+            entry = entries.get(entry_name)
+            if entry is None:
                 raise CheckpointCorruptError(
-                    str(st_path), f"malformed tensor description: a {item['dtype']} tensor cannot require gradients",
-                    tensor=name,
-                )  # fmt: skip
-            if flags & ARRAY and (
-                flags & ARRAY == ARRAY
-                or flags & (PARAMETER | REQUIRES_GRAD)
-                or item["dtype"] not in ARRAY_DTYPES
+                    str(st_path), f"entry {entry_name!r} is not in the file", tensor=name
+                )
+            length = entry.end - entry.begin
+            itemsize = dtype.itemsize
+            if offset % itemsize or offset + _reach(shape, stride, itemsize) > length:
+                raise CheckpointCorruptError(
+                    str(st_path), "tensor lies outside its entry", tensor=name
+                )
+            mine = firsts.get(entry_name)
+            if mine is None:
+                mine = loaded.get(entry_name) if loaded else _mapped_entry(view, header, entry)
+                if mine is not None:
+                    firsts[entry_name] = mine
+            if (
+                mine is not None
+                and entry_name not in whole_taken
+                and offset == 0
+                and mine.dtype == dtype
+                and mine.shape == tuple(shape)
+                and (mine.is_contiguous() and _contiguous(shape, stride))
             ):
-                raise CheckpointCorruptError(
-                    str(st_path), f"malformed tensor description: flags {flags} on a {item['dtype']} array",
-                    tensor=name,
-                )  # fmt: skip
-        except CheckpointCorruptError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                whole_taken.add(entry_name)
+                out.append(_flagged(mine, flags))
+                continue
+            base = bases.get((entry_name, dtype))
+            if base is None:
+                raw = raws.get(entry_name)
+                if raw is None:
+                    raw = _entry_bytes(view, header, entry, mine)
+                    raws[entry_name] = raw
+                # Every dtype's base views the one storage of the entry, so tensors of
+                # different dtypes over one entry keep sharing it (also when load() moves them
+                # to a device).
+                count = length // itemsize
+                base = (
+                    raw[: count * itemsize].view(dtype)
+                    if raw is not None and count
+                    else unfilled((0,), dtype)
+                )
+                bases[(entry_name, dtype)] = base
+            t = base.as_strided(shape, stride, offset // itemsize)
+            out.append(_flagged(t, flags))
+    return out
+
+
+def _row(
+    st_path: Path, item: Any, dtypes: dict[str, torch.dtype]
+) -> tuple[Any, torch.dtype, list[int], list[int], int, int, str | None]:
+    """A manifest row, checked: (name, dtype, shape, stride, offset, flags, entry name)."""
+    name = item.get("name") if isinstance(item, dict) else None
+    try:
+        code = item["dtype"]
+        dtype = dtypes[code]
+        shape = [int(d) for d in item["shape"]]
+        stride = [int(s) for s in item["stride"]]
+        offset = int(item["offset"])
+        flags = int(item.get("flags", 0))
+        entry_name = item["entry"]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointCorruptError(
+            str(st_path), f"malformed tensor description: {exc}", tensor=name
+        ) from None
+    if entry_name is not None and not isinstance(entry_name, str):
+        raise CheckpointCorruptError(
+            str(st_path), "malformed tensor description: entry must be a string or null",
+            tensor=name,
+        )  # fmt: skip
+    if flags:
+        if flags & REQUIRES_GRAD and not (dtype.is_floating_point or dtype.is_complex):
             raise CheckpointCorruptError(
-                str(st_path), f"malformed tensor description: {exc}", tensor=name
-            ) from None
-        if (
-            len(shape) != len(stride)
-            or any(d < 0 for d in shape)
-            or any(s < 0 for s in stride)
-            or offset < 0
+                str(st_path), f"malformed tensor description: a {code} tensor cannot require gradients",
+                tensor=name,
+            )  # fmt: skip
+        if flags & ARRAY and (
+            flags & ARRAY == ARRAY
+            or flags & (PARAMETER | REQUIRES_GRAD)
+            or code not in ARRAY_DTYPES
         ):
             raise CheckpointCorruptError(
-                str(st_path), "invalid shape, stride or offset", tensor=name
-            )
-        if entry_name is None:
-            if any(d == 0 for d in shape):
-                out.append(_flagged(unfilled(shape, dtype), flags))
-                continue
-            raise CheckpointCorruptError(
-                str(st_path), "tensor with elements but no data", tensor=name
-            )
-        entry = header.entries.get(entry_name)
-        if entry is None:
-            raise CheckpointCorruptError(
-                str(st_path), f"entry {entry_name!r} is not in the file", tensor=name
-            )
-        length = entry.end - entry.begin
-        if offset % dtype.itemsize or offset + _reach(shape, stride, dtype.itemsize) > length:
-            raise CheckpointCorruptError(str(st_path), "tensor lies outside its entry", tensor=name)
-        base = bases.get((entry_name, dtype))
-        if base is None:
-            raw = raws.get(entry_name)
-            if raw is None:
-                start = header.data_start + entry.begin
-                raw = (
-                    torch.frombuffer(view, dtype=torch.uint8, count=length, offset=start)
-                    if length
-                    else None
-                )
-                raws[entry_name] = raw
-            # Every dtype's base views the one storage of the entry, so tensors of different
-            # dtypes over one entry keep sharing it (also when load() moves them to a device).
-            count = length // dtype.itemsize
-            base = (
-                raw[: count * dtype.itemsize].view(dtype)
-                if raw is not None and count
-                else unfilled((0,), dtype)
-            )
-            bases[(entry_name, dtype)] = base
-        with torch.no_grad():
-            t = base.as_strided(shape, stride, offset // dtype.itemsize)
-        out.append(_flagged(t, flags))
-    return out
+                str(st_path), f"malformed tensor description: flags {flags} on a {code} array",
+                tensor=name,
+            )  # fmt: skip
+    if len(shape) != len(stride) or offset < 0 or min(shape + stride, default=0) < 0:
+        raise CheckpointCorruptError(str(st_path), "invalid shape, stride or offset", tensor=name)
+    return name, dtype, shape, stride, offset, flags, entry_name
+
+
+def _contiguous(shape: list[int], stride: list[int]) -> bool:
+    """Whether a view of `shape` with `stride` (in elements) is row-major contiguous."""
+    expected = 1
+    for d, s in zip(reversed(shape), reversed(stride), strict=True):
+        if d != 1 and s != expected:
+            return False
+        expected *= d
+    return True
+
+
+def _entry_bytes(
+    view: memoryview, header: Any, entry: Any, loaded: torch.Tensor | None
+) -> torch.Tensor | None:
+    """An entry's bytes as a uint8 tensor: of its own tensor where given (loaded, or mapped),
+    else of the map."""
+    length = entry.end - entry.begin
+    if not length:
+        return None
+    if loaded is not None:  # detached: a row may yet make `loaded` require gradients
+        return loaded.detach().reshape(-1).view(torch.uint8)
+    start = header.data_start + entry.begin
+    return torch.frombuffer(view, dtype=torch.uint8, count=length, offset=start)
+
+
+def _mapped_entry(view: memoryview, header: Any, entry: Any) -> torch.Tensor | None:
+    """An entry of the file map as a tensor of the entry's own dtype and shape (None where this
+    torch lacks the dtype, or the entry holds no bytes)."""
+    dtype = CODE_TO_DTYPE.get(entry.code)
+    length = entry.end - entry.begin
+    if dtype is None or not length or math.prod(entry.shape) * dtype.itemsize != length:
+        return None
+    start = header.data_start + entry.begin
+    flat = torch.frombuffer(view, dtype=dtype, count=length // dtype.itemsize, offset=start)
+    return flat.view(entry.shape)
+
+
+def entry_tensor(header: Any, name: str) -> torch.Tensor:
+    """New memory for entry `name` of `header` to be read into: a tensor of the entry's own
+    dtype and shape where this torch has the dtype (then a row that is the whole entry is this
+    tensor), else its bytes. Contents undefined."""
+    entry = header.entries[name]
+    dtype = CODE_TO_DTYPE.get(entry.code)
+    if dtype is not None and math.prod(entry.shape) * dtype.itemsize == entry.end - entry.begin:
+        return unfilled(entry.shape, dtype)
+    return unfilled((entry.end - entry.begin,), torch.uint8)
 
 
 def _flagged(t: torch.Tensor, flags: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from . import resharding, tree_codec
 from .rank_files import (
     OpenedRank,
     check_crcs,
+    entry_tensor,
     open_rank,
     ranks,
     tensors_of,
@@ -297,14 +298,14 @@ def _read_ranges(
 def _read_entries(
     st_path: Path, f: IO[bytes], header: Any, recorded: Any, *, verify: bool
 ) -> dict[str, torch.Tensor]:
-    """Every non-empty entry of the file read into memory of its own (uint8), checksums verified
-    from the landed bytes when `verify` (empty entries too: theirs must be 0)."""
+    """Every non-empty entry of the file read into memory of its own (`entry_tensor`: of the
+    entry's dtype and shape), checksums verified from the landed bytes when `verify` (empty
+    entries too: theirs must be 0)."""
     expected = expected_crcs(st_path, header, recorded) if verify else None
     loaded = {}
     for name, entry in header.entries.items():
-        length = entry.end - entry.begin
-        if length:
-            loaded[name] = torch.empty(length, dtype=torch.uint8)
+        if entry.end > entry.begin:
+            loaded[name] = entry_tensor(header, name)
         elif expected is not None and expected[name] != 0:
             raise CheckpointCorruptError(
                 str(st_path), f"checksum mismatch (0x00000000 != {expected[name]:#010x})",

@@ -29,7 +29,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 from .._lazy import no_attribute
 from ..errors import CheckpointCorruptError, ConfigError
@@ -116,8 +116,7 @@ def code_itemsize(code: str) -> int:
         raise ConfigError(f"unknown safetensors dtype code {code!r}") from None
 
 
-@dataclass(frozen=True)
-class HeaderEntry:
+class HeaderEntry(NamedTuple):
     """One tensor: its name, dtype code, shape and byte range within the data buffer."""
 
     name: str
@@ -253,6 +252,23 @@ def build_header(
 # ---------------------------------------------------------------------------------------- parsing
 
 
+def _usual_nbytes(shape: Any, itemsize: int, cap: int) -> int | None:
+    """`_shape_nbytes` for the usual shape (a list of at most 8 int dimensions, its size within
+    `cap`), quickly; None for any other, which `_shape_nbytes` then judges."""
+    if type(shape) is not list or len(shape) > 8:
+        return None
+    nonzero = 1  # the product of the non-zero dimensions must fit int64 too
+    for d in shape:
+        if type(d) is not int or d < 0 or d > _MAX_DIM:
+            return None
+        if d:
+            nonzero *= d  # at most 8 factors below 2**63: bounded
+    if nonzero > _MAX_DIM:
+        return None
+    nbytes = 0 if 0 in shape else nonzero * itemsize
+    return nbytes if nbytes <= cap else None
+
+
 class _Invalid(ValueError):
     """Raised inside json.loads hooks; turned into CheckpointCorruptError."""
 
@@ -345,22 +361,26 @@ def parse_header(
             reason = f"entry fields: missing {missing}, unexpected {_short(extra)}"
             raise corrupt(reason, tensor=name)
         code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if not isinstance(code, str) or code not in _ITEMSIZE:
+        itemsize = _ITEMSIZE.get(code) if type(code) is str else None
+        if itemsize is None:
             raise corrupt(f"unknown or unsupported dtype {_short(code)}", tensor=name)
         if not (
-            isinstance(offsets, list)
+            type(offsets) is list
             and len(offsets) == 2
-            and all(_is_int(x) and x >= 0 for x in offsets)
-            and offsets[0] <= offsets[1]
+            and type(offsets[0]) is int
+            and type(offsets[1]) is int
+            and 0 <= offsets[0] <= offsets[1]
         ):
             raise corrupt(
                 "data_offsets must be two non-negative integers [begin, end] with begin <= end",
                 tensor=name,
             )
         begin, end = offsets
-        nbytes, why = _shape_nbytes(shape, _ITEMSIZE[code], data_size)  # never past data_size
-        if why is not None and why != "exceeds":
-            raise corrupt(f"invalid shape {_short(shape)}: {why}", tensor=name)
+        nbytes = _usual_nbytes(shape, itemsize, data_size)
+        if nbytes is None:
+            nbytes, why = _shape_nbytes(shape, itemsize, data_size)  # never past data_size
+            if why is not None and why != "exceeds":
+                raise corrupt(f"invalid shape {_short(shape)}: {why}", tensor=name)
         if end > data_size:
             raise corrupt(
                 f"truncated: data_offsets [{begin}, {end}] extend past the end of the file "

@@ -424,6 +424,43 @@ def test_moving_differently_typed_views_of_one_entry(shared):
     assert moved["f"].untyped_storage().data_ptr() == moved["u"].untyped_storage().data_ptr()
 
 
+@pytest.mark.parametrize("mmap", [False, True], ids=["in-memory", "mapped"])
+def test_a_tensor_that_is_its_whole_entry_keeps_its_views_and_flags(shared, mmap):
+    """A row that is the whole of its entry is the entry's own tensor; the rows that view it
+    share its storage, and gradient flags land on the right tensors whatever the row order."""
+    weight = torch.nn.Parameter(torch.randn(4, 6))
+    leaf = torch.randn(5, 3).requires_grad_(True)
+    plain = torch.arange(12.0)
+    state = {
+        "view_first": plain[2:8],  # a view saved ahead of the tensor it views
+        "plain": plain,
+        "plain_again": plain,  # the same tensor under two keys
+        "weight": weight,
+        "weight_t": weight.detach().t(),
+        "leaf": leaf,
+        "leaf_row": leaf.detach()[1],
+    }
+    path = shared.save(state, name=f"whole-entry-{mmap}").result(timeout=SAVE_TIMEOUT)
+    loaded = pyshmckpt.load(path, mmap=mmap)
+    for key, value in state.items():
+        assert same_bytes(loaded[key].detach(), value.detach()), key
+    assert isinstance(loaded["weight"], torch.nn.Parameter) and loaded["weight"].requires_grad
+    assert loaded["leaf"].requires_grad and loaded["leaf"].is_leaf
+    assert not loaded["leaf_row"].requires_grad and not loaded["weight_t"].requires_grad
+    assert not loaded["plain"].requires_grad
+
+    def storage(key: str) -> int:
+        return loaded[key].untyped_storage().data_ptr()
+
+    assert storage("view_first") == storage("plain") == storage("plain_again")
+    assert storage("weight") == storage("weight_t") and storage("leaf") == storage("leaf_row")
+    loaded["plain"][3] = -1.0  # an alias sees a write through another
+    assert loaded["view_first"][1] == -1.0 and loaded["plain_again"][3] == -1.0
+    loaded["leaf_row"].sum()  # usable views, no autograd error
+    (loaded["leaf"] * 2).sum().backward()
+    assert loaded["leaf"].grad is not None
+
+
 def test_load_without_mmap_reads_into_memory_and_keeps_tied_weights_tied(gpt_checkpoint, tmp_path):
     path = shutil.copytree(gpt_checkpoint["path"], tmp_path / "copy")
     mapped = pyshmckpt.load(path, mmap=True)
