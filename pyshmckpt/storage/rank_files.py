@@ -232,7 +232,7 @@ def _mapped_entry(view: memoryview, header: Any, entry: Any) -> torch.Tensor | N
         return None
     start = header.data_start + entry.begin
     flat = torch.frombuffer(view, dtype=dtype, count=length // dtype.itemsize, offset=start)
-    return flat.view(entry.shape)
+    return flat if len(entry.shape) == 1 else flat.view(entry.shape)
 
 
 def entry_tensor(header: Any, name: str) -> torch.Tensor:

@@ -334,7 +334,7 @@ class _DirectReads:
         self._seen: dict[int, tuple[str, int] | None] = {}  # target storage -> (entry, bytes)
 
     def __call__(self, target: torch.Tensor, source: torch.Tensor) -> bool:
-        if target.device.type != "cpu":
+        if not target.is_cpu:
             return False
         storage = target.untyped_storage()
         key = storage.data_ptr()
@@ -374,10 +374,20 @@ class _DirectReads:
         pending, self._pending = self._pending, []
         jobs = [(entry, target.data_ptr()) for target, entry in pending]
         _read_ranges(self._st_path, self._f, self._header, jobs, self._expected)
-        for target, entry in pending:
-            torch.autograd.graph.increment_version(target)  # as an in-place copy_ would
-            if self._expected is not None:
+        _bump_versions([target for target, _ in pending])  # as an in-place copy_ would
+        if self._expected is not None:
+            for _, entry in pending:
                 self._file.mark_verified(entry)
+
+
+def _bump_versions(targets: list[torch.Tensor]) -> None:
+    """Bump the autograd version counter of every tensor of `targets`: in one call where torch
+    takes a list (newer torch), else one by one (bumping one twice is harmless)."""
+    try:
+        torch.autograd.graph.increment_version(targets)
+    except (TypeError, AttributeError):
+        for target in targets:
+            torch.autograd.graph.increment_version(target)
 
 
 def _load_into(
