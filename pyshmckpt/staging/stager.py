@@ -20,20 +20,18 @@ import torch
 
 from .. import _torch_private, knobs
 from .._gc import gc_paused
-from .._unfilled import unfilled
 from ..errors import (
     CapacityError,
     ConfigError,
     ConfigTypeError,
     SlotStateError,
     StagerClosedError,
-    StagingTimeoutError,
 )
 from ..shm import Arena, Slot, SlotAddress, SlotState
 from ..shm.native import Segment, set_copy_threads
-from . import layout, planner
+from . import copies, layout, planner
 from .dtensors import loaded_dtensor_type
-from .manifest import Manifest, contiguous_stride, rebuild, tensor_steps
+from .manifest import Manifest, rebuild, tensor_steps
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +217,7 @@ class SlotStager:
         # The newest arena takes new stages; older ones are closed once idle. The finalizer holds
         # this same list, so it closes whatever is in it at the time.
         self._arenas: list[Arena] = []
-        self._streams = _SideStreams()
+        self._streams = copies.SideStreams()
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[Any] | None = None
         threads = knobs.copy_threads()
@@ -579,20 +577,20 @@ class SlotStager:
         manifest = staging_plan.manifest
         slot = self._slot_for(manifest.size)
         arena = slot.arena
-        copies = None
+        running = None
         staged = None
         try:
-            copies = self._start_copies(staging_plan, slot, producers)
+            running = copies.start(staging_plan, slot, self._streams, producers)
             # What the copies did not need checked first, checked while they run.
             if staging_plan.recheck is not None and (reason := staging_plan.recheck()) is not None:
                 raise _Relayout(reason)
             if not lease:  # building the staged tensors overlaps with the copies
                 with gc_paused():
                     staged = rebuild(manifest, slot.storage, slot.offset)
-            copies.wait()
+            running.wait()
         except BaseException as exc:
-            if copies is not None:
-                _note_cleanup_error(exc, copies.abandon())
+            if running is not None:
+                copies.note_cleanup_error(exc, running.abandon())
             arena.transition(slot, SlotState.FREE)
             raise
         slot.manifest = manifest
@@ -602,53 +600,6 @@ class SlotStager:
             arena.transition(slot, SlotState.WRITING)
         return slot, staged
 
-    def _start_copies(
-        self,
-        staging_plan: layout.StagingPlan,
-        slot: Slot,
-        producers: dict[int, torch.cuda.Event] | None,
-    ) -> _Copies:
-        copies = _Copies(slot)
-        size = staging_plan.manifest.size
-        if slot.reserved < size:  # the first stage into a slot made for it (see Arena)
-            if not staging_plan.device and not staging_plan.gathers:
-                slot.fill_from_host(staging_plan.host, size)
-                return copies
-            slot.reserve(size)
-        try:
-            for device, rows in staging_plan.device.items():
-                stream = self._wait_producers(device, producers)
-                copies.events.append(slot.copy_from_device(rows, stream.cuda_stream, device))
-            if len(staging_plan.host):
-                copies.host = slot.copy_from_host_async(staging_plan.host)
-            for index, source in staging_plan.gathers:
-                offset = int(staging_plan.manifest.offset[index])  # from the slot's start
-                if source.is_cuda:
-                    device = source.get_device()
-                    stream = self._wait_producers(device, producers)
-                    with torch.cuda.stream(stream):
-                        dense = unfilled(source.shape, source.dtype, source.device)
-                        dense.copy_(source)
-                    copies.keepalive.append(dense)
-                    row = np.array([[dense.data_ptr(), offset, dense.nbytes]], dtype=np.uint64)
-                    copies.events.append(slot.copy_from_device(row, stream.cuda_stream, device))
-                else:
-                    _gather_into(slot, source, slot.offset + offset)
-        except BaseException as exc:
-            _note_cleanup_error(exc, copies.abandon())
-            raise
-        return copies
-
-    def _wait_producers(
-        self, device: int, producers: dict[int, torch.cuda.Event] | None
-    ) -> torch.cuda.Stream:
-        stream = self._streams.get(device)
-        if producers is None:
-            stream.wait_stream(torch.cuda.current_stream(device))
-        else:
-            stream.wait_event(producers[device])
-        return stream
-
 
 class _Relayout(Exception):
     """A reused plan's recheck failed after its copies started: plan in full and stage again."""
@@ -656,63 +607,6 @@ class _Relayout(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-def _gather_into(slot: Slot, source: torch.Tensor, offset: int) -> None:
-    """Copy the elements of a non-dense CPU tensor densely to byte `offset` of the slot."""
-    dtype = source.dtype
-    bits = layout.INT_OF_SIZE.get(dtype.itemsize)
-    if bits is not None and not (source.is_conj() or source.is_neg()):
-        # Copy bit patterns through a same-size integer view: exact for every dtype, including
-        # those torch has no copy kernel for (sub-byte and float4 types). complex128 and lazy
-        # conjugate/negative views take torch's own copy, which resolves them.
-        dtype = bits
-        source = source.view(dtype)
-    base = slot.base(dtype)
-    stride = contiguous_stride(tuple(source.shape))
-    with torch.no_grad():  # never tie the slot's base into the source's autograd graph
-        base.as_strided(source.shape, stride, offset // base.itemsize).copy_(source.detach())
-
-
-class _Copies:
-    """The copies filling one slot: a background host copy and device-to-host batches."""
-
-    def __init__(self, slot: Slot) -> None:
-        self.slot = slot
-        self.host: Any = None
-        self.events: list[Any] = []
-        self.keepalive: list[torch.Tensor] = []
-
-    def wait(self) -> None:
-        if self.host is not None:
-            self.host.wait()
-        timeout = knobs.device_copy_timeout()
-        for event in self.events:
-            if not event.wait(timeout):
-                raise StagingTimeoutError(
-                    f"device-to-host copies into {self.slot.name} did not finish in {timeout}s"
-                )
-        self.keepalive.clear()
-
-    def abandon(self) -> BaseException | None:
-        """After a failure: wait until no host copy writes into the slot; return its error."""
-        if self.host is not None:
-            try:
-                self.host.wait()
-            except Exception as exc:
-                return exc
-        return None
-
-
-def _note_cleanup_error(exc: BaseException, cleanup: BaseException | None) -> None:
-    """Attach an error raised while cleaning up to the failure being reported."""
-    if cleanup is None:
-        return
-    note = f"while cleaning up after this failure: {cleanup!r}"
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-    else:  # Python 3.10
-        exc.args = (*exc.args, note)
 
 
 def _views_slot(staged: Any, slot: Slot) -> bool:
@@ -753,22 +647,6 @@ def lease_staged(staged: Any) -> StagedHandle | None:
         if handle is not None:
             return handle
     return None
-
-
-class _SideStreams:
-    """One staging stream per device, created lazily on first use."""
-
-    def __init__(self) -> None:
-        self._streams: dict[int, torch.cuda.Stream] = {}
-        self._lock = threading.Lock()
-
-    def get(self, device: int) -> torch.cuda.Stream:
-        with self._lock:
-            stream = self._streams.get(device)
-            if stream is None:
-                stream = torch.cuda.Stream(device=device)
-                self._streams[device] = stream
-            return stream
 
 
 def _number(name: str, value: Any) -> float:
