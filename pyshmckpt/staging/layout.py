@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import operator
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +46,7 @@ from .manifest import (
     format_path,
     offsets_in_blocks,
 )
+from .signatures import Signature, tensor_flags, tensor_signature
 
 logger = logging.getLogger(__name__)
 
@@ -682,39 +682,3 @@ def _gap_rows(
         out[:, 1] = (block_offset[:-1] + block_bytes[:-1])[has_gap]
         out[:, 2] = gap[has_gap]
     return out
-
-
-Signature = tuple[list[Any], ...]
-
-
-# What `tensor_signature` and `tensor_flags` read of each tensor: getters that `map` calls in C,
-# cheaper than attribute lookups in a comprehension, which matters at thousands of tensors.
-_SIGNATURE_GETTERS = (
-    operator.attrgetter("dtype"),
-    operator.attrgetter("shape"),
-    torch.Tensor.stride,
-    torch.Tensor.storage_offset,
-    operator.attrgetter("device"),
-)
-_FLAG_GETTERS = (
-    operator.attrgetter("layout"),
-    operator.attrgetter("requires_grad"),
-    torch.Tensor.is_conj,
-    torch.Tensor.is_neg,
-)
-
-
-def tensor_signature(tensors: list[torch.Tensor]) -> Signature:
-    """What places each tensor in a slot, one column per attribute: class, dtype, shape, stride,
-    storage offset and device. With these unchanged, the copy rows read inside each tensor's
-    memory.
-
-    Columns compare with one ``==`` each, in C. Raises whatever torch raises for a tensor without
-    strides (sparse, nested): the caller treats that as a mismatch.
-    """
-    return (list(map(type, tensors)), *(list(map(get, tensors)) for get in _SIGNATURE_GETTERS))
-
-
-def tensor_flags(tensors: list[torch.Tensor]) -> Signature:
-    """The rest of what a layout depends on: layout, requires_grad and the lazy conj/neg bits."""
-    return tuple(list(map(get, tensors)) for get in _FLAG_GETTERS)

@@ -25,15 +25,7 @@ from .._gc import gc_paused
 from ..errors import UnsupportedValueError
 from .arrays import ArrayTensors, array_flag, device_array_problem, numpy_problem
 from .dtensors import Sharding, loaded_dtensor_type, shard_info
-from .layout import (
-    ATOMIC,
-    BlockMap,
-    StagingPlan,
-    lay_out,
-    tensor_flags,
-    tensor_problem,
-    tensor_signature,
-)
+from .layout import ATOMIC, BlockMap, StagingPlan, lay_out, tensor_problem
 from .manifest import (
     ARRAY,
     DICT,
@@ -49,6 +41,7 @@ from .manifest import (
     Manifest,
     Pickled,
 )
+from .signatures import tensor_flags, tensor_signature
 
 
 @dataclasses.dataclass
