@@ -95,3 +95,37 @@ def test_invalid_rows_are_refused(data_file, rows):
     path, _ = data_file
     with path.open("rb") as f, pytest.raises(ValueError, match="read entr"):
         _C.read_file_ranges(f.fileno(), rows, True, str(path))
+
+
+def test_small_ranges_back_to_back_are_read_together_each_with_its_checksum(data_file):
+    """Small ranges adjacent in the file are read by one preadv per run (runs end at a gap, at
+    an empty range, at 256 ranges and at 8 MiB); each still gets its own bytes and CRC32C."""
+    path, data = data_file
+    sizes = [4096] * 600 + [0, 3, 5] + [1 << 20] * 9 + [17, 1]
+    offsets, at = [], 11
+    for i, n in enumerate(sizes):
+        at += 1000 if i == 300 else 0  # a gap: the run before it ends there
+        offsets.append(at)
+        at += n
+    bufs = [np.zeros(max(n, 1), dtype=np.uint8) for n in sizes]
+    rows = _rows(*((o, b.ctypes.data, n) for o, b, n in zip(offsets, bufs, sizes, strict=True)))
+    with path.open("rb") as f:
+        crcs, got = _C.read_file_ranges(f.fileno(), rows, True, str(path))
+    for i, (o, b, n) in enumerate(zip(offsets, bufs, sizes, strict=True)):
+        assert int(got[i]) == n, i
+        assert b[:n].tobytes() == data[o : o + n], i
+        assert int(crcs[i]) == _C.crc32c(data[o : o + n]), i
+
+
+def test_a_run_the_file_ends_inside_reports_each_ranges_bytes(data_file):
+    path, data = data_file
+    start = len(data) - 10_000
+    sizes = [4096, 4096, 4096, 4096]  # the file ends inside the third; the fourth gets nothing
+    bufs = [np.zeros(n, dtype=np.uint8) for n in sizes]
+    rows = _rows(*((start + 4096 * i, b.ctypes.data, b.nbytes) for i, b in enumerate(bufs)))
+    with path.open("rb") as f:
+        crcs, got = _C.read_file_ranges(f.fileno(), rows, True, str(path))
+    assert [int(g) for g in got] == [4096, 4096, 10_000 - 8192, 0]
+    assert bufs[2][: 10_000 - 8192].tobytes() == data[start + 8192 :]
+    assert int(crcs[2]) == _C.crc32c(data[start + 8192 :])
+    assert int(crcs[3]) == 0

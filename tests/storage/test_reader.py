@@ -444,18 +444,23 @@ def test_a_tensor_that_is_its_whole_entry_keeps_its_views_and_flags(shared, mmap
     loaded = pyshmckpt.load(path, mmap=mmap)
     for key, value in state.items():
         assert same_bytes(loaded[key].detach(), value.detach()), key
-    assert isinstance(loaded["weight"], torch.nn.Parameter) and loaded["weight"].requires_grad
-    assert loaded["leaf"].requires_grad and loaded["leaf"].is_leaf
-    assert not loaded["leaf_row"].requires_grad and not loaded["weight_t"].requires_grad
+    assert isinstance(loaded["weight"], torch.nn.Parameter)
+    assert loaded["weight"].requires_grad
+    assert loaded["leaf"].requires_grad
+    assert loaded["leaf"].is_leaf
+    assert not loaded["leaf_row"].requires_grad
+    assert not loaded["weight_t"].requires_grad
     assert not loaded["plain"].requires_grad
 
     def storage(key: str) -> int:
         return loaded[key].untyped_storage().data_ptr()
 
     assert storage("view_first") == storage("plain") == storage("plain_again")
-    assert storage("weight") == storage("weight_t") and storage("leaf") == storage("leaf_row")
+    assert storage("weight") == storage("weight_t")
+    assert storage("leaf") == storage("leaf_row")
     loaded["plain"][3] = -1.0  # an alias sees a write through another
-    assert loaded["view_first"][1] == -1.0 and loaded["plain_again"][3] == -1.0
+    assert loaded["view_first"][1] == -1.0
+    assert loaded["plain_again"][3] == -1.0
     loaded["leaf_row"].sum()  # usable views, no autograd error
     (loaded["leaf"] * 2).sum().backward()
     assert loaded["leaf"].grad is not None
