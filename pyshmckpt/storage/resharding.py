@@ -134,6 +134,7 @@ class _Job(NamedTuple):
     direct: Direct | None
     partial: str | None  # why `files` are not every saved rank's (None: they are)
     write: bool  # False: only check that the target can be filled from `files`
+    dtensor: type | None  # torch's DTensor class, if loaded (see loaded_dtensor_type)
 
 
 def fill(
@@ -155,9 +156,11 @@ def fill(
     """
     sources = [f.state for f in files]
     if partial is not None:
-        check = _Job(files, primary, verify, where, None, partial, write=False)
+        dtensor = loaded_dtensor_type()
+        check = _Job(files, primary, verify, where, None, partial, False, dtensor)
         _fill(target, sources, check, "state_dict")
-    _fill(target, sources, _Job(files, primary, verify, where, direct, partial, True), "state_dict")
+    job = _Job(files, primary, verify, where, direct, partial, True, loaded_dtensor_type())
+    _fill(target, sources, job, "state_dict")
 
 
 def _fill(target: Any, sources: list[Any], job: _Job, path: str) -> None:
@@ -177,13 +180,16 @@ def _fill(target: Any, sources: list[Any], job: _Job, path: str) -> None:
         for key, value in list(target.items()):
             if key not in source:
                 raise CheckpointKeyError(f"{path}[{key!r}] is not in the checkpoint {job.where}")
+            if type(value) in _PLAIN_TENSORS:  # the usual leaf, without the dispatch below
+                below = [source[key]] if len(sources) == 1 else _below(sources, key)
+                _fill_tensor(value, below, job, f"{path}[{key!r}]")
+                continue
             if _is_leaf(value, source[key]):
                 leaf = _leaf(source[key], f"{path}[{key!r}]")
                 if job.write:
                     target[key] = leaf
                 continue
-            below = [s.get(key) if isinstance(s, dict) else None for s in sources]
-            _fill(value, below, job, f"{path}[{key!r}]")
+            _fill(value, _below(sources, key), job, f"{path}[{key!r}]")
         return
     if isinstance(target, (list, tuple)) and isinstance(source, (list, tuple)):
         if len(target) != len(source):
@@ -201,6 +207,14 @@ def _fill(target: Any, sources: list[Any], job: _Job, path: str) -> None:
                 for s in sources
             ]
             _fill(value, below, job, f"{path}[{i}]")
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _below(sources: list[Any], key: Any) -> list[Any]:
+    """Each rank's value under `key` (None where a rank's source is not a dict)."""
+    return [s.get(key) if isinstance(s, dict) else None for s in sources]
 
 
 def _is_leaf(value: Any, source: Any) -> bool:
@@ -269,7 +283,7 @@ def _fill_tensor(target: torch.Tensor, sources: list[Any], job: _Job, path: str)
         raise CheckpointMismatchError(
             f"{path}: the checkpoint holds {type(source).__name__}, the target a tensor"
         )
-    is_dtensor = type(target) is loaded_dtensor_type()
+    is_dtensor = type(target) is job.dtensor
     if not is_dtensor and files[primary].info(source) is None:
         # A plain tensor saved plain: from the primary rank's file, as load() reads it.
         if target.shape != source.shape:
