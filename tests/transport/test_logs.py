@@ -33,7 +33,9 @@ class HangingWriter:
 
     def write(self, path: str, state_dict, **kwargs) -> None:
         logging.getLogger("tests.hanging_writer").warning("writing %s", Path(path).name)
-        self.marker.write_text(str(os.getpid()))
+        ready = self.marker.with_suffix(".tmp")  # renamed into place: never read half written
+        ready.write_text(str(os.getpid()))
+        ready.replace(self.marker)
         time.sleep(600)
 
 

@@ -831,7 +831,9 @@ UNLINKER = textwrap.dedent(
         # the parent dies meanwhile.
         if threading.current_thread() is threading.main_thread() and not slowed:
             slowed.append(path)
-            marker.write_text(str(os.getpid()))
+            ready = marker.with_suffix(".tmp")  # renamed into place: never read half written
+            ready.write_text(str(os.getpid()))
+            os.replace(ready, marker)
             time.sleep(3)
         return real_unlink(path, *args, **kwargs)
 
