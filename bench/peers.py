@@ -115,24 +115,30 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], memo: dict[int, Any
     return obj
 
 
+def expect(ok: bool, message: str) -> None:
+    """A check of the results that holds under ``python -O`` too (unlike assert)."""
+    if not ok:
+        raise AssertionError(message)
+
+
 def assert_bitwise_equal(loaded: Any, expected: Any, where: str = "") -> None:
     if isinstance(expected, torch.Tensor):
-        assert isinstance(loaded, torch.Tensor), f"{where}: {type(loaded)}"
-        assert loaded.shape == expected.shape, f"{where}: shape"
-        assert loaded.dtype == expected.dtype, f"{where}: dtype"
+        expect(isinstance(loaded, torch.Tensor), f"{where}: {type(loaded)}")
+        expect(loaded.shape == expected.shape, f"{where}: shape")
+        expect(loaded.dtype == expected.dtype, f"{where}: dtype")
         a, b = loaded.detach().cpu().reshape(-1), expected.detach().cpu().reshape(-1)
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{where}: bytes differ"
+        expect(torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{where}: bytes differ")
     elif isinstance(expected, dict):
-        assert isinstance(loaded, dict), f"{where}: {type(loaded)}"
-        assert set(loaded) == set(expected), f"{where}: keys"
+        expect(isinstance(loaded, dict), f"{where}: {type(loaded)}")
+        expect(set(loaded) == set(expected), f"{where}: keys")
         for key, value in expected.items():
             assert_bitwise_equal(loaded[key], value, f"{where}.{key}")
     elif isinstance(expected, (list, tuple)):
-        assert len(loaded) == len(expected), f"{where}: length"
+        expect(len(loaded) == len(expected), f"{where}: length")
         for i, (a, b) in enumerate(zip(loaded, expected, strict=True)):
             assert_bitwise_equal(a, b, f"{where}[{i}]")
     else:
-        assert loaded == expected, f"{where}: {loaded!r} != {expected!r}"
+        expect(loaded == expected, f"{where}: {loaded!r} != {expected!r}")
 
 
 def checksum(obj: Any) -> int:
@@ -205,7 +211,7 @@ class TorchCheckpointing(Peer):
 
     def save(self, state: Any, directory: Path) -> Saving:
         future = self.manager.save(str(directory), state)
-        assert future is not None  # an async saver's write future
+        expect(future is not None, "torch_checkpointing's save() gave no write future")
 
         def staged() -> None:
             with self.manager.lock():  # free once staging is done (acquire bounded: 600 s)
@@ -361,9 +367,12 @@ def one_round(
             times["load_into"].append(time.perf_counter() - started)
             if check:
                 assert_bitwise_equal(loaded, state, f"{name} into")
-                assert all(
-                    a is b for a, b in zip(tensors_of(loaded), tensors_of(target), strict=True)
-                ), f"{name} into: not filled in place"
+                expect(
+                    all(
+                        a is b for a, b in zip(tensors_of(loaded), tensors_of(target), strict=True)
+                    ),
+                    f"{name} into: not filled in place",
+                )
             del target, loaded
         finally:
             peer.close()

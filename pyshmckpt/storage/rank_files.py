@@ -226,9 +226,9 @@ def _entry_bytes(
 def _mapped_entry(view: memoryview, header: Any, entry: Any) -> torch.Tensor | None:
     """An entry of the file map as a tensor of the entry's own dtype and shape (None where this
     torch lacks the dtype, or the entry holds no bytes)."""
-    dtype = CODE_TO_DTYPE.get(entry.code)
+    dtype = _own_dtype(entry)
     length = entry.end - entry.begin
-    if dtype is None or not length or math.prod(entry.shape) * dtype.itemsize != length:
+    if dtype is None or not length:
         return None
     start = header.data_start + entry.begin
     flat = torch.frombuffer(view, dtype=dtype, count=length // dtype.itemsize, offset=start)
@@ -240,10 +240,19 @@ def entry_tensor(header: Any, name: str) -> torch.Tensor:
     dtype and shape where this torch has the dtype (then a row that is the whole entry is this
     tensor), else its bytes. Contents undefined."""
     entry = header.entries[name]
-    dtype = CODE_TO_DTYPE.get(entry.code)
-    if dtype is not None and math.prod(entry.shape) * dtype.itemsize == entry.end - entry.begin:
+    dtype = _own_dtype(entry)
+    if dtype is not None:
         return unfilled(entry.shape, dtype)
     return unfilled((entry.end - entry.begin,), torch.uint8)
+
+
+def _own_dtype(entry: Any) -> torch.dtype | None:
+    """The torch dtype of a header entry whose bytes are exactly its dtype and shape (None
+    where this torch lacks the dtype): the entry can then be a tensor of its own."""
+    dtype = CODE_TO_DTYPE.get(entry.code)
+    if dtype is None or math.prod(entry.shape) * dtype.itemsize != entry.end - entry.begin:
+        return None
+    return dtype
 
 
 def _flagged(t: torch.Tensor, flags: int) -> torch.Tensor:

@@ -155,12 +155,16 @@ def fill(
     bytes that lie outside `files`; nothing is written then.
     """
     sources = [f.state for f in files]
+    dtensor = loaded_dtensor_type()
     if partial is not None:
-        dtensor = loaded_dtensor_type()
         check = _Job(files, primary, verify, where, None, partial, False, dtensor)
         _fill(target, sources, check, "state_dict")
-    job = _Job(files, primary, verify, where, direct, partial, True, loaded_dtensor_type())
-    _fill(target, sources, job, "state_dict")
+    _fill(
+        target,
+        sources,
+        _Job(files, primary, verify, where, direct, partial, True, dtensor),
+        "state_dict",
+    )
 
 
 def _fill(target: Any, sources: list[Any], job: _Job, path: str) -> None:

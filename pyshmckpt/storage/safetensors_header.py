@@ -160,19 +160,27 @@ def _is_text(x: object) -> bool:
 def _shape_nbytes(shape: Any, itemsize: int, cap: int) -> tuple[int | None, str | None]:
     """Byte size of a shape, or (None, reason). A size above `cap` gives (None, "exceeds").
 
-    Never multiplies unbounded numbers: the product stops growing once it passes `cap`.
+    One pass over the dimensions (it runs for every tensor of every header read). Never
+    multiplies unbounded numbers: the product stops growing once it passes int64's range.
     """
-    if not isinstance(shape, (list, tuple)) or not all(_is_int(d) and d >= 0 for d in shape):
+    if not isinstance(shape, (list, tuple)):
         return None, "shape must be a list of non-negative integers"
-    if any(d > _MAX_DIM for d in shape):
-        return None, "shape has a dimension above 2**63-1"
+    above = zero = False
     numel = 1
     for d in shape:
-        if d:
+        if (type(d) is not int and not _is_int(d)) or d < 0:
+            return None, "shape must be a list of non-negative integers"
+        if d > _MAX_DIM:
+            above = True
+        elif not d:
+            zero = True
+        elif numel <= _MAX_DIM:  # at most ~64 multiplications by d >= 2 get here
             numel *= d
-            if numel > _MAX_DIM:  # at most ~64 multiplications by d >= 2 get here
-                return None, "shape's element count overflows int64"
-    if 0 in shape:
+    if above:
+        return None, "shape has a dimension above 2**63-1"
+    if numel > _MAX_DIM:
+        return None, "shape's element count overflows int64"
+    if zero:
         return 0, None
     nbytes = numel * itemsize
     return (None, "exceeds") if nbytes > cap else (nbytes, None)
@@ -250,23 +258,6 @@ def build_header(
 
 
 # ---------------------------------------------------------------------------------------- parsing
-
-
-def _usual_nbytes(shape: Any, itemsize: int, cap: int) -> int | None:
-    """`_shape_nbytes` for the usual shape (a list of at most 8 int dimensions, its size within
-    `cap`), quickly; None for any other, which `_shape_nbytes` then judges."""
-    if type(shape) is not list or len(shape) > 8:
-        return None
-    nonzero = 1  # the product of the non-zero dimensions must fit int64 too
-    for d in shape:
-        if type(d) is not int or d < 0 or d > _MAX_DIM:
-            return None
-        if d:
-            nonzero *= d  # at most 8 factors below 2**63: bounded
-    if nonzero > _MAX_DIM:
-        return None
-    nbytes = 0 if 0 in shape else nonzero * itemsize
-    return nbytes if nbytes <= cap else None
 
 
 class _Invalid(ValueError):
@@ -376,11 +367,9 @@ def parse_header(
                 tensor=name,
             )
         begin, end = offsets
-        nbytes = _usual_nbytes(shape, itemsize, data_size)
-        if nbytes is None:
-            nbytes, why = _shape_nbytes(shape, itemsize, data_size)  # never past data_size
-            if why is not None and why != "exceeds":
-                raise corrupt(f"invalid shape {_short(shape)}: {why}", tensor=name)
+        nbytes, why = _shape_nbytes(shape, itemsize, data_size)  # never past data_size
+        if why is not None and why != "exceeds":
+            raise corrupt(f"invalid shape {_short(shape)}: {why}", tensor=name)
         if end > data_size:
             raise corrupt(
                 f"truncated: data_offsets [{begin}, {end}] extend past the end of the file "
