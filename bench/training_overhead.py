@@ -17,6 +17,10 @@ durable, as a training loop that keeps one checkpoint in flight does.
   pyshmckpt-memory  pyshmckpt.Checkpointer.save(state, persist=False): the memory tier, each
                     checkpoint kept in shared memory only (a restarted trainer restores the
                     newest); nothing is written to disk
+  pyshmckpt-overlap, pyshmckpt-memory-overlap
+                    the same with Checkpointer(overlap=True): save() returns before the copies,
+                    which run while the next step's forward and backward do (its optimizer step
+                    waits for them)
   torch-exp         torch's _experimental DefaultStager + CheckpointProcess + CheckpointWriter
   dcp               torch.distributed.checkpoint.async_save with its default stager
 
@@ -45,7 +49,14 @@ from pyshmckpt.cli.demo import gpt
 
 import transports  # bench/transports.py: the sides every benchmark compares
 
-WAYS = ("pyshmckpt", "pyshmckpt-memory", "torch-exp", "dcp")
+WAYS = (
+    "pyshmckpt",
+    "pyshmckpt-memory",
+    "pyshmckpt-overlap",
+    "pyshmckpt-memory-overlap",
+    "torch-exp",
+    "dcp",
+)
 OTHERS = ("torch-exp", "dcp")  # other libraries: what "ours / best other" compares against
 
 
@@ -57,11 +68,13 @@ class Saver:
         self.root = root
         self.count = 0
         self.close: Callable[[], None] = lambda: None
-        if way in ("pyshmckpt", "pyshmckpt-memory"):
-            checkpointer = pyshmckpt.Checkpointer(root, keep_last=2)
+        if way.startswith("pyshmckpt"):
+            checkpointer = pyshmckpt.Checkpointer(
+                root, keep_last=2, overlap=way.endswith("-overlap")
+            )
             if warm:
                 checkpointer.wait_for_writer()
-            persist = way == "pyshmckpt"
+            persist = "memory" not in way
             self.start: Callable[[Any], Any] = lambda state: checkpointer.save(
                 state, persist=persist
             )
@@ -154,11 +167,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
     args = parser.parse_args()
     runs: dict[tuple[str, int], list[float]] = {}
-    cases = [(None, 0)] + [(way, n) for n in args.every for way in WAYS]
+    ways = args.ways
+    cases = [(None, 0)] + [(way, n) for n in args.every for way in ways]
     for repeat in range(args.repeats):
         shift = repeat % len(cases)
         for way, every in cases[shift:] + cases[:shift]:
@@ -174,21 +189,22 @@ def main() -> None:
     base = statistics.median(runs[("none", 0)])
     table = {
         f"{way}@{n}": statistics.median(runs[(way, n)]) / base - 1
-        for way in WAYS
+        for way in ways
         for n in args.every
     }
     print(f"\nno checkpoints: {base:.2f} s for {args.steps} steps (median of {args.repeats})")
     print(f"writer processes: {args.start} start")
-    widths = [max(10, len(way)) for way in WAYS]
+    widths = [max(10, len(way)) for way in ways]
     print(
         f"{'every N':>8s} "
-        + " ".join(f"{way:>{w}s}" for way, w in zip(WAYS, widths, strict=True))
+        + " ".join(f"{way:>{w}s}" for way, w in zip(ways, widths, strict=True))
         + "  ours / best other"
     )
     for n in args.every:
-        slow = [table[f"{way}@{n}"] for way in WAYS]
-        best_other = min(table[f"{way}@{n}"] for way in OTHERS)
-        ours = table[f"pyshmckpt@{n}"]
+        slow = [table[f"{way}@{n}"] for way in ways]
+        others = [table[f"{way}@{n}"] for way in OTHERS if way in ways]
+        best_other = min(others, default=float("nan"))
+        ours = table.get(f"pyshmckpt@{n}", float("nan"))
         ratio = ours / best_other if best_other > 0 else float("nan")
         cells = [f"{s * 100:{w - 1}.1f}%" for s, w in zip(slow, widths, strict=True)]
         print(f"{n:8d} " + " ".join(cells) + f"  {ratio:.2f}")
@@ -203,7 +219,7 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        for way in WAYS:
+        for way in ways:
             ax.plot(args.every, [100 * table[f"{way}@{n}"] for n in args.every], "o-", label=way)
         ax.set_xscale("log")
         ax.set_xlabel("checkpoint every N steps")

@@ -30,6 +30,7 @@ from .errors import (
     CommitError,
     ConfigError,
     ConfigTypeError,
+    StagingTimeoutError,
     WriterError,
     WriterStartTimeoutError,
     WriteTimeoutError,
@@ -37,7 +38,7 @@ from .errors import (
     os_error,
 )
 from .shm.native import Segment
-from .staging import SlotStager
+from .staging import SlotStager, guards
 from .storage import commit, liveness, shared_commit, tree_codec, writer_spec
 from .tiers import holding, loading, records, replication, takeover, topology
 from .tiers.records import HoldInfo
@@ -203,6 +204,14 @@ class Checkpointer:
             counts as hung (the writer is killed, the save fails with `WriteStalledError`); a slow
             save that keeps moving is never cut short (None: the config's
             ``write_stall_timeout_secs``, 120 s by default).
+        overlap: `save` returns once the state is laid out and checked, and its copies run on a
+            staging thread (the GIL released for them; CUDA tensors on a side stream after the
+            work queued so far) while training goes on. Until they land, the state must not
+            change: every torch optimizer's ``step`` and the forward of a module that has
+            buffers, in training mode, wait for them by themselves (global hooks); anything
+            else that changes the state in place (an EMA update, a hand-written parameter
+            update) must call `wait_staged` first. A save is safe from the trainer's death once
+            its copies have landed, not when `save` returns.
 
     Attributes:
         root: the checkpoint root, as given.
@@ -246,8 +255,15 @@ class Checkpointer:
         hold: bool | None = None,
         hold_timeout: float | None = None,
         replicate: bool = False,
+        overlap: bool = False,
     ) -> None:
         self._closed = True
+        self._overlap = bool(overlap)
+        self._staging: Future[None] | None = None
+        self._staging_job: Future[None] | None = None
+        self._staging_thread: concurrent.futures.ThreadPoolExecutor | None = None
+        # A staging waits for a free slot and for its device copies, each bounded.
+        self._staging_bound = knobs.slot_timeout() + knobs.device_copy_timeout() + 30.0
         self._replica_port: socket.socket | None = None
         self._link_latest = bool(link_latest)
         if keep_last is not None and (
@@ -495,7 +511,62 @@ class Checkpointer:
         if not persist and not self._hold:
             raise ConfigError("save(persist=False) keeps a checkpoint in memory: needs hold=True")
         staged_ns = time.time_ns()
-        staged = self._stager.stage(state_dict)
+        result: Future[Path] = Future()
+        if not self._overlap:
+            staged = self._stager.stage(state_dict)
+            self._hand_over(staged, result, target, persist, overwrite, staged_ns)
+        else:
+            self._wait_staging()  # saves are handed to the writer in order
+            copy = self._stager.prepare(state_dict)  # checked now: bad input raises here
+            staging: Future[None] = Future()
+            guards.track(staging, self._staging_bound)
+            if self._staging_thread is None:
+                self._staging_thread = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="pyshmckpt-stage"
+                )
+            self._staging = staging
+            self._staging_job = self._staging_thread.submit(
+                self._stage_and_hand_over, copy, staging, result, target, persist, overwrite,
+                staged_ns,
+            )  # fmt: skip
+        with self._lock:
+            self._pending = [p for p in self._pending if not p.done()] + [result]
+        return result
+
+    def _stage_and_hand_over(
+        self,
+        copy: Any,
+        staging: Future[None],
+        result: Future[Path],
+        target: Path,
+        persist: bool,
+        overwrite: bool,
+        staged_ns: int,
+    ) -> None:
+        """An overlapped save, on the staging thread: the copies, then the hand-over."""
+        try:
+            staged = copy()
+        except BaseException as exc:
+            staging.set_exception(exc)
+            result.set_exception(exc)
+            return
+        staging.set_result(None)  # the state is free to change from here
+        try:
+            self._hand_over(staged, result, target, persist, overwrite, staged_ns)
+        except BaseException as exc:
+            result.set_exception(exc)
+
+    def _hand_over(
+        self,
+        staged: Any,
+        result: Future[Path],
+        target: Path,
+        persist: bool,
+        overwrite: bool,
+        staged_ns: int,
+    ) -> None:
+        """Hand a staged save to the writer; `result` resolves with it."""
+        name = target.name
         extra: dict[str, Any] = {"replace": True} if overwrite else {}
         if not self._link_latest:
             extra["link_latest"] = False
@@ -514,7 +585,6 @@ class Checkpointer:
                 records.forget(self._taken)
                 self._taken = None
             self._stager.hold(handle.slot)
-        result: Future[Path] = Future()
 
         def done(f: Future[None]) -> None:
             exc = f.exception()
@@ -531,10 +601,41 @@ class Checkpointer:
                 result.set_result(target)
 
         written.add_done_callback(done)
-        with self._lock:
-            self._pending = [p for p in self._pending if not p.done()] + [result]
-            self._saved = True  # handed to the writer: it has something to hold
-        return result
+        self._saved = True  # handed to the writer: it has something to hold
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """With ``overlap``: wait until the newest save's copies have landed, after which its
+        state dict may change. Nothing to wait for without ``overlap`` (`save` returns staged).
+
+        Args:
+            timeout: seconds to wait at most (None: the staging's own bound, a free slot's
+                wait and the device copies').
+
+        Raises:
+            StagingTimeoutError: the copies had not landed within `timeout`.
+            PyshmckptError: the staging failed (its save's Future fails the same way).
+        """
+        staging = self._staging
+        if staging is None:
+            return
+        bound = self._staging_bound if timeout is None else timeout
+        try:
+            staging.result(timeout=bound)
+        except concurrent.futures.TimeoutError:
+            raise StagingTimeoutError(
+                f"the newest save's copies had not landed after {bound:g} s"
+            ) from None
+
+    def _wait_staging(self) -> None:
+        """Wait (bounded) until the overlapped save in flight has been handed to the writer;
+        its errors are its Future's."""
+        job = self._staging_job
+        if job is not None:
+            concurrent.futures.wait([job], timeout=self._staging_bound)
+            if not job.done():
+                raise StagingTimeoutError(
+                    f"the previous save was not staged within {self._staging_bound:g} s"
+                )
 
     def wait(self, timeout: float | None = None) -> list[Path]:
         """Wait for the saves pending at the latest `save` and for that save.
@@ -701,6 +802,7 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        self._end_staging()
         if self._taken is not None:
             records.forget(self._taken)
         self._finalizer.detach()
@@ -708,6 +810,16 @@ class Checkpointer:
             self._process.close(abort=abort)
         finally:
             self._release(keep_slots=False)
+
+    def _end_staging(self) -> None:
+        """Let an overlapped save in flight reach the writer (bounded), then stop its thread."""
+        if self._staging_thread is None:
+            return
+        try:
+            self._wait_staging()
+        except StagingTimeoutError as exc:
+            logger.error("closing with a save still staging: %s", exc)
+        self._staging_thread.shutdown(wait=False)
 
     def _release(self, keep_slots: bool) -> None:
         """What the Checkpointer holds besides its writer: its slots (freed, or left to the
@@ -771,6 +883,7 @@ class Checkpointer:
             self.close()
             return
         self._closed = True
+        self._end_staging()
         self._finalizer.detach()
         handed = False
         try:

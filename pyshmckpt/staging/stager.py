@@ -7,6 +7,7 @@ and gives it back once the writer no longer reads it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -281,15 +282,38 @@ class SlotStager:
                 ``PYSHMCKPT_DEVICE_COPY_TIMEOUT``.
             PyshmckptOSError: a slot could not be created or enlarged (``/dev/shm`` full).
         """
-        self._check_open()
-        # Validation first: nothing is staged for bad input.
-        staging_plan = self._plan(state_dict, defer_flags=self._executor is None)
         if self._executor is None:
+            self._check_open()
+            # Validation first: nothing is staged for bad input.
+            staging_plan = self._plan(state_dict, defer_flags=True)
             return self._staged(state_dict, staging_plan, None)
-        events = self._record_producers(staging_plan)
-        future = self._executor.submit(self._staged, state_dict, staging_plan, events)
+        future = self._executor.submit(self.prepare(state_dict))
         self._pending = future
         return future
+
+    def prepare(self, state_dict: Any) -> Callable[[], Any]:
+        """Lay `state_dict` out and check it now; copy it later, on any thread.
+
+        What `stage` does on the caller's thread with ``async_staging``: the layout, the checks
+        and, for CUDA tensors, an event on each device's current stream (the copies start
+        after the work queued so far). Until the returned function has run, the caller must not
+        change the tensors of `state_dict` (its other leaves are captured here).
+
+        Args:
+            state_dict: as for `stage`.
+
+        Returns:
+            A function of no arguments that fills a free slot and returns the staged state
+                dict, raising what `stage` raises about copies and slots.
+
+        Raises:
+            StagerClosedError: the stager is closed.
+            UnsupportedValueError: a value cannot be staged.
+        """
+        self._check_open()
+        staging_plan = self._plan(state_dict, defer_flags=False)
+        events = self._record_producers(staging_plan)
+        return functools.partial(self._staged, state_dict, staging_plan, events)
 
     def handle(self, staged: Any) -> StagedHandle | None:
         """Describe where a state dict this stager returned is staged.

@@ -20,6 +20,7 @@ from ..errors import (
     PyshmckptError,
     RestoreError,
 )
+from ..staging import guards
 from ..storage import commit, reader
 from ..storage.rank_files import OpenedRank, checkpoint_dir, open_rank
 from ..storage.safetensors_writer import file_names
@@ -58,7 +59,8 @@ def load(
     live, also after the checkpoint is deleted.
 
     With `into` (a state dict of the same structure), the values are copied into its tensors in
-    place (any device) and `into` is returned: a contiguous CPU tensor of the saved dtype that
+    place (any device) and `into` is returned (after an overlapped save of this process in flight
+    has finished copying, see ``Checkpointer(overlap=True)``): a contiguous CPU tensor of the saved dtype that
     owns its whole storage is read straight from the file into its memory, others are copied
     from a map of the file. Its leaves that are neither tensors nor containers (a learning rate,
     a step count) take the checkpoint's values. A corrupt entry or a mismatch is found once its
@@ -135,9 +137,13 @@ def load(
             did not take part in the agreement (failed, left, or did not call `load` within
             ``PYSHMCKPT_RESTORE_TIMEOUT``).
         ConfigTypeError: `rank` is not an int.
+        StagingTimeoutError: with `into`, an overlapped save of this process did not finish
+            copying the state within its bound.
     """
     if cupy_as not in ("cupy", "numpy"):
         raise ConfigError(f"cupy_as must be 'cupy' or 'numpy', not {cupy_as!r}")
+    if into is not None:  # never fill tensors an overlapped save of this process still reads
+        guards.wait_all("load(into=...)")
     kwargs = {"map_location": map_location, "allow_pickle": allow_pickle, "into": into,
               "mmap": mmap, "cupy_as": cupy_as}  # fmt: skip
     if rank is not None:

@@ -54,6 +54,7 @@ INTERNAL: dict[str, dict[str, str]] = {
         "detach": "the Checkpointer leaves its segments to the writer when the trainer dies",
         "adopt": "the Checkpointer takes a checkpoint held in memory over as a slot",
         "hold": "the Checkpointer keeps the slot of the newest checkpoint (the memory tier)",
+        "prepare": "the Checkpointer plans a save on the caller's thread and copies it on its own",
     },
     "pyshmckpt.StagedHandle": {
         "segments": "the transport's: the stager's segments for the writer",
