@@ -11,9 +11,10 @@
 
 #include "checksum.h"
 #include "copy_engine.h"
+#include "cuda_driver.h"
+#include "device_copies.h"
 #include "errors.h"
 #include "file_reader.h"
-#include "cuda_driver.h"
 #include "page_populate.h"
 #include "pinning.h"
 #include "segment.h"
@@ -347,10 +348,13 @@ until the event completes; the caller keeps the owning tensors alive until then.
         out["version"] = status.version;
         out["devices"] = status.devices;
         out["missing"] = status.missing;
+        out["batched_copies"] = status.batched_copies;
+        out["copy_method"] = device_copy_method();
         return out;
       },
       "What loading the CUDA driver found (it is loaded on the first call): usable, path, reason, "
-      "version, devices, missing. Never raises.");
+      "version, devices, missing, batched_copies (the batched copy function found, '' when "
+      "none), copy_method (how device-to-host copies are queued, in words). Never raises.");
   m.def(
       "is_pinned",
       [](std::uintptr_t address) { return is_pinned_pointer(reinterpret_cast<const void*>(address)); },

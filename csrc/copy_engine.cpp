@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cuda_driver.h"
+#include "device_copies.h"
 #include "errors.h"
 #include "page_populate.h"
 #include "stream_copy.h"
@@ -371,12 +372,7 @@ std::unique_ptr<CopyEvent> copy_device_async(Segment& segment, const CopyEntry* 
   // A single copy must not span two separately registered chunks.
   const std::uint64_t chunk = segment.pinned() ? segment.pin_chunk_bytes() : 0;
   std::uint8_t* base = segment.base();
-  std::size_t queued = 0;
-  // Once a copy is queued, a failure leaves copies that may still land: the mapping stays.
-  auto fail = [&](const char* call, CUresult rc) {
-    if (queued > 0) segment.keep_mapped();
-    throw CudaError(describe_cuda_error(call, rc));
-  };
+  DeviceCopies copies;
   for (std::size_t i = 0; i < count; ++i) {
     std::uint64_t dst = entries[i].dst;
     std::uint64_t src = entries[i].src;
@@ -384,14 +380,22 @@ std::unique_ptr<CopyEvent> copy_device_async(Segment& segment, const CopyEntry* 
     while (left > 0) {
       std::uint64_t len = left;
       if (chunk != 0) len = std::min(left, chunk - dst % chunk);
-      CUresult rc = driver.cuMemcpyDtoHAsync(base + dst, src, len, s);
-      if (rc != kCudaSuccess) fail("cuMemcpyDtoHAsync", rc);
-      ++queued;
+      copies.add(reinterpret_cast<CUdeviceptr>(base + dst), src, len);
       dst += len;
       src += len;
       left -= len;
     }
   }
+  const QueuedCopies queued = queue_device_copies(driver, copies, s);
+  // Once a copy is queued, a failure leaves copies that may still land: the mapping stays.
+  if (queued.rc != kCudaSuccess) {
+    if (queued.some_queued) segment.keep_mapped();
+    throw CudaError(describe_cuda_error(queued.call, queued.rc));
+  }
+  auto fail = [&](const char* call, CUresult rc) {
+    if (!copies.sizes.empty()) segment.keep_mapped();
+    throw CudaError(describe_cuda_error(call, rc));
+  };
   CUevent event = nullptr;
   CUresult rc = driver.cuEventCreate(&event, kEventDisableTiming);
   if (rc != kCudaSuccess) fail("cuEventCreate", rc);

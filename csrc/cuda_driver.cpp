@@ -77,6 +77,12 @@ CudaDriver load() noexcept {
   bind(library, "cuPointerGetAttribute", d.cuPointerGetAttribute, missing);
   bind(library, "cuGetErrorName", d.cuGetErrorName, missing);
   bind(library, "cuGetErrorString", d.cuGetErrorString, missing);
+  std::vector<std::string> optional;  // absent from older drivers: copies go one by one there
+  bind(library, "cuMemcpyBatchAsync_v2", d.cuMemcpyBatchAsync_v2, optional);
+  bind(library, "cuMemcpyBatchAsync", d.cuMemcpyBatchAsync, optional);
+  status.batched_copies = d.cuMemcpyBatchAsync_v2 != nullptr ? "cuMemcpyBatchAsync_v2"
+                          : d.cuMemcpyBatchAsync != nullptr  ? "cuMemcpyBatchAsync"
+                                                             : "";
   if (d.cuDriverGetVersion != nullptr && d.cuDriverGetVersion(&status.version) != kCudaSuccess) {
     status.version = 0;
   }

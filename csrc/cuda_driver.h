@@ -25,6 +25,17 @@ constexpr unsigned kHostRegisterPortable = 0x01;
 constexpr unsigned kEventDisableTiming = 0x02;
 constexpr int kPointerAttributeMemoryType = 2;
 constexpr unsigned kMemoryTypeHost = 1;
+constexpr int kMemcpySrcAccessOrderStream = 1;  // CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+
+// CUmemcpyAttributes (CUDA 12.8): how cuMemcpyBatchAsync treats the copies it applies to.
+struct MemcpyAttributes {
+  int src_access_order;   // CUmemcpySrcAccessOrder
+  int src_location_type;  // CUmemLocation srcLocHint (managed memory only)
+  int src_location_id;
+  int dst_location_type;  // CUmemLocation dstLocHint
+  int dst_location_id;
+  unsigned flags;         // CUmemcpyFlags
+};
 
 // What was found when the driver was loaded, for `pyshmckpt cuda-info` and error messages.
 struct CudaDriverStatus {
@@ -34,6 +45,7 @@ struct CudaDriverStatus {
   int version = 0;              // cuDriverGetVersion: 1000 * major + 10 * minor; 0 if unknown
   std::vector<std::string> devices;  // device names, by ordinal
   std::vector<std::string> missing;  // functions the library lacks (a driver too old)
+  std::string batched_copies;        // the batched copy function found ("" when none)
 };
 
 // The loaded driver's functions. Every call site checks `usable()` (through `require`) first.
@@ -56,6 +68,13 @@ struct CudaDriver {
   CUresult (*cuPointerGetAttribute)(void*, int, CUdeviceptr);
   CUresult (*cuGetErrorName)(CUresult, const char**);
   CUresult (*cuGetErrorString)(CUresult, const char**);
+  // Optional, null where the driver lacks them (before 12.8): the batched copy, in CUDA 13's ABI
+  // and in 12.8's (which also reports the index of a failed copy).
+  CUresult (*cuMemcpyBatchAsync_v2)(CUdeviceptr*, CUdeviceptr*, std::size_t*, std::size_t,
+                                    MemcpyAttributes*, std::size_t*, std::size_t, CUstream);
+  CUresult (*cuMemcpyBatchAsync)(CUdeviceptr*, CUdeviceptr*, std::size_t*, std::size_t,
+                                 MemcpyAttributes*, std::size_t*, std::size_t, std::size_t*,
+                                 CUstream);
 
   CudaDriverStatus status;
 };

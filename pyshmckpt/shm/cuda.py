@@ -41,7 +41,8 @@ def cuda_available() -> bool:
 
 
 def driver_status() -> dict[str, Any]:
-    """What loading the CUDA driver found: usable, path, reason, version, devices, missing."""
+    """What loading the CUDA driver found: usable, path, reason, version, devices, missing,
+    batched_copies, copy_method."""
     return dict(native.cuda_driver_status())
 
 
@@ -69,6 +70,9 @@ class CudaInfo:
         torch_cuda: torch's CUDA version ("" for a CPU build of torch).
         torch_sees_cuda: torch reports a usable device.
         pinning: "works", or why a test buffer could not be pinned.
+        copy_method: how device-to-host copies are queued: one batched driver call per device
+            and stage (``cuMemcpyBatchAsync``, drivers of CUDA 12.8 and newer), or one call per
+            copy, and why.
         usable: CUDA tensors can be staged here.
         reason: why not, in words ("" when usable).
     """
@@ -80,6 +84,7 @@ class CudaInfo:
     torch_cuda: str
     torch_sees_cuda: bool
     pinning: str
+    copy_method: str
     usable: bool
     reason: str
 
@@ -93,6 +98,7 @@ class CudaInfo:
             f"torch: CUDA {self.torch_cuda or 'none (CPU build)'}, "
             f"{'sees' if self.torch_sees_cuda else 'does not see'} a device",
             f"pinning a test buffer: {self.pinning}",
+            f"device-to-host copies: {self.copy_method}",
             "CUDA staging: " + ("usable" if self.usable else f"not usable: {self.reason}"),
         ]
 
@@ -119,6 +125,7 @@ def cuda_info() -> CudaInfo:
         torch_cuda=torch.version.cuda or "",
         torch_sees_cuda=bool(torch.cuda.is_available()),
         pinning=pinning,
+        copy_method=str(status["copy_method"]),
         usable=not reason,
         reason=reason,
     )

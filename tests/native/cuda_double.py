@@ -69,6 +69,7 @@ _PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
     "double_registered_ranges": (c_longlong, []),
     "double_registered_bytes": (c_size_t, []),
     "double_copy_calls": (c_longlong, []),
+    "double_batch_calls": (c_longlong, []),
     "double_copy_log": (c_int, [POINTER(c_uint64), c_int]),
     "double_hold_copies": (None, [c_int]),
     "double_pending_copies": (c_longlong, []),
@@ -81,13 +82,17 @@ def _compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
-def build_double(tmp_dir: Path, old_driver: bool = False) -> Path:
+VARIANTS = {"": [], "old": ["-DDOUBLE_OLD_DRIVER"], "batch": ["-DDOUBLE_BATCH"]}
+
+
+def build_double(tmp_dir: Path, variant: str = "") -> Path:
     """Compile the double into `tmp_dir` (reused when already built there from the same source).
 
-    ``old_driver`` builds the variant without cuMemcpyDtoHAsync_v2 (a driver too old for it).
+    ``variant`` "old" builds the double without cuMemcpyDtoHAsync_v2 (a driver too old for it),
+    "batch" the one with cuMemcpyBatchAsync_v2 (a CUDA 13 driver).
     Skips the test when no C compiler is installed; fails it when the source does not compile.
     """
-    name = "libcuda_double_old.so" if old_driver else "libcuda_double.so"
+    name = f"libcuda_double_{variant}.so" if variant else "libcuda_double.so"
     target = Path(tmp_dir) / name
     if target.exists() and target.stat().st_mtime >= SOURCE.stat().st_mtime:
         return target
@@ -97,7 +102,7 @@ def build_double(tmp_dir: Path, old_driver: bool = False) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{name}.{uuid.uuid4().hex}")  # renamed: never half a library
     command = [compiler, "-std=c11", "-Wall", "-Wextra", "-shared", "-fPIC", "-O1", "-pthread"]
-    command += ["-DDOUBLE_OLD_DRIVER"] if old_driver else []
+    command += VARIANTS[variant]
     command += ["-o", str(partial), str(SOURCE)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT)
     if done.returncode != 0:
@@ -160,4 +165,10 @@ def cuda_double_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session", name="cuda_double_old_driver")
 def cuda_double_old_driver_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Path of the double's variant without cuMemcpyDtoHAsync_v2 (a driver too old for it)."""
-    return build_double(_build_dir(tmp_path_factory), old_driver=True)
+    return build_double(_build_dir(tmp_path_factory), "old")
+
+
+@pytest.fixture(scope="session", name="cuda_double_batch")
+def cuda_double_batch_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Path of the double's variant with cuMemcpyBatchAsync_v2 (a CUDA 13 driver)."""
+    return build_double(_build_dir(tmp_path_factory), "batch")

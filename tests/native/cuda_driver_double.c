@@ -37,7 +37,14 @@
  *                                    Copies queued before still run: a driver gives no promise
  *                                    that they stopped, so their memory must stay mapped.
  *
+ *   PYSHMCKPT_DOUBLE_FAIL_BATCH_CODE=C  every cuMemcpyBatchAsync_v2 call returns C and queues
+ *                                    nothing (default 0: none); a sticky C poisons as above.
+ *
  * Compiled with -DDOUBLE_OLD_DRIVER it does not export cuMemcpyDtoHAsync_v2: a driver too old for it.
+ * Compiled with -DDOUBLE_BATCH it also exports cuMemcpyBatchAsync_v2 (CUDA 13's ABI): a batch's
+ * copies are queued in order, each logged as a copy call would be, after the driver's checks of
+ * its arguments (a null stream, a missing or malformed attribute list: CUDA_ERROR_INVALID_VALUE,
+ * nothing queued).
  */
 #define _DEFAULT_SOURCE /* usleep */
 #include <pthread.h>
@@ -52,6 +59,11 @@
 #define EXPORT_COPY static __attribute__((unused))
 #else
 #define EXPORT_COPY EXPORT
+#endif
+#ifdef DOUBLE_BATCH
+#define EXPORT_BATCH EXPORT
+#else
+#define EXPORT_BATCH static __attribute__((unused))
 #endif
 
 typedef int CUresult;
@@ -89,14 +101,20 @@ static const struct { CUresult code; const char* name; const char* text; } ERROR
 struct CUevent_st { uint64_t ticket; }; /* complete once `done` reaches `ticket` */
 struct range { uintptr_t base; size_t bytes; };
 struct copy { void* dst; const void* src; size_t bytes; struct copy* next; };
+/* CUmemcpyAttributes as the driver's ABI has it (CUDA 12.8). */
+struct memcpy_attributes {
+  int src_access_order;
+  int src_location_type, src_location_id, dst_location_type, dst_location_id;
+  unsigned flags;
+};
 
 /* All state is guarded by `lock`; `changed` wakes the worker (new copy, hold released). */
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t changed = PTHREAD_COND_INITIALIZER;
 static int initialized, devices, driver_version = 12080, copy_delay_ms, held;
 static long long fail_register_at, fail_copy_at;
-static CUresult fail_code = INVALID_VALUE, poison;
-static long long register_calls, unregister_calls, copy_calls;
+static CUresult fail_code = INVALID_VALUE, fail_batch_code, poison;
+static long long register_calls, unregister_calls, copy_calls, batch_calls;
 static struct range* ranges;
 static size_t n_ranges, cap_ranges, registered_bytes;
 static struct copy *head, *tail; /* the FIFO of queued copies */
@@ -128,13 +146,14 @@ static int env_int(const char* name, long long fallback, long long* out) {
 
 /* Reads the environment and clears poison and counters; `lock` held. */
 static CUresult configure(void) {
-  long long d, v, delay, reg_at, copy_at, code;
+  long long d, v, delay, reg_at, copy_at, code, batch_code;
   if (!env_int("PYSHMCKPT_DOUBLE_DEVICES", 1, &d) || d > MAX_DEVICES ||
       !env_int("PYSHMCKPT_DOUBLE_DRIVER_VERSION", 12080, &v) ||
       !env_int("PYSHMCKPT_DOUBLE_COPY_DELAY_MS", 0, &delay) ||
       !env_int("PYSHMCKPT_DOUBLE_FAIL_REGISTER_AT", 0, &reg_at) ||
       !env_int("PYSHMCKPT_DOUBLE_FAIL_COPY_AT", 0, &copy_at) ||
-      !env_int("PYSHMCKPT_DOUBLE_FAIL_CODE", INVALID_VALUE, &code))
+      !env_int("PYSHMCKPT_DOUBLE_FAIL_CODE", INVALID_VALUE, &code) ||
+      !env_int("PYSHMCKPT_DOUBLE_FAIL_BATCH_CODE", 0, &batch_code))
     return INVALID_VALUE;
   devices = (int)d;
   driver_version = (int)v;
@@ -142,8 +161,9 @@ static CUresult configure(void) {
   fail_register_at = reg_at;
   fail_copy_at = copy_at;
   fail_code = (CUresult)code;
+  fail_batch_code = (CUresult)batch_code;
   poison = SUCCESS;
-  register_calls = unregister_calls = copy_calls = 0;
+  register_calls = unregister_calls = copy_calls = batch_calls = 0;
   n_log = 0;
   return devices == 0 ? NO_DEVICE : SUCCESS;
 }
@@ -303,28 +323,66 @@ EXPORT CUresult cuMemHostUnregister(void* p) {
   return leave(NOT_REGISTERED);
 }
 
-EXPORT_COPY CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t bytes, CUstream stream) {
-  (void)stream; /* one queue for all streams: FIFO across streams is a stricter order */
-  CUresult rc = enter(CHECK_CONTEXT, &copy_calls);
-  if (rc) return leave(rc);
+/* Appends a copy to the log (`lock` held). */
+static void log_copy(void* dst, CUdeviceptr src, size_t bytes) {
   if (grow((void**)&copy_log, &cap_log, 3 * (n_log + 1), sizeof *copy_log)) {
     uint64_t* entry = &copy_log[3 * n_log++];
     entry[0] = (uintptr_t)dst, entry[1] = src, entry[2] = bytes;
   }
-  if (copy_calls == fail_copy_at) {
-    if (sticky(fail_code)) poison = fail_code;
-    return leave(fail_code);
-  }
-  if (!dst || !src) return leave(INVALID_VALUE);
-  if (bytes == 0) return leave(SUCCESS);
+}
+
+/* Queues a copy for the worker (`lock` held). */
+static CUresult queue_copy(void* dst, CUdeviceptr src, size_t bytes) {
+  if (bytes == 0) return SUCCESS;
   struct copy* c = malloc(sizeof *c);
-  if (!c) return leave(OUT_OF_MEMORY);
+  if (!c) return OUT_OF_MEMORY;
   *c = (struct copy){dst, (const void*)(uintptr_t)src, bytes, NULL};
   if (tail) tail->next = c;
   else head = c;
   tail = c;
   queued++;
   pthread_cond_broadcast(&changed);
+  return SUCCESS;
+}
+
+EXPORT_COPY CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t bytes, CUstream stream) {
+  (void)stream; /* one queue for all streams: FIFO across streams is a stricter order */
+  CUresult rc = enter(CHECK_CONTEXT, &copy_calls);
+  if (rc) return leave(rc);
+  log_copy(dst, src, bytes);
+  if (copy_calls == fail_copy_at) {
+    if (sticky(fail_code)) poison = fail_code;
+    return leave(fail_code);
+  }
+  if (!dst || !src) return leave(INVALID_VALUE);
+  return leave(queue_copy(dst, src, bytes));
+}
+
+EXPORT_BATCH CUresult cuMemcpyBatchAsync_v2(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* sizes,
+                                            size_t count, struct memcpy_attributes* attrs,
+                                            size_t* attrs_idxs, size_t num_attrs, CUstream stream) {
+  CUresult rc = enter(CHECK_CONTEXT, &batch_calls);
+  if (rc) return leave(rc);
+  if (fail_batch_code) {
+    if (sticky(fail_batch_code)) poison = fail_batch_code;
+    return leave(fail_batch_code);
+  }
+  if (!stream || !dsts || !srcs || !sizes || count == 0 || !attrs || !attrs_idxs ||
+      num_attrs == 0 || num_attrs > count || attrs_idxs[0] != 0)
+    return leave(INVALID_VALUE);
+  for (size_t k = 0; k < num_attrs; k++) {
+    if (attrs[k].src_access_order < 1 || attrs[k].src_access_order > 3) return leave(INVALID_VALUE);
+    if (attrs_idxs[k] >= count || (k > 0 && attrs_idxs[k] <= attrs_idxs[k - 1]))
+      return leave(INVALID_VALUE);
+  }
+  for (size_t i = 0; i < count; i++)
+    if (!dsts[i] || !srcs[i]) return leave(INVALID_VALUE);
+  for (size_t i = 0; i < count; i++) {
+    void* dst = (void*)(uintptr_t)dsts[i];
+    log_copy(dst, srcs[i], sizes[i]);
+    rc = queue_copy(dst, srcs[i], sizes[i]);
+    if (rc) return leave(rc);
+  }
   return leave(SUCCESS);
 }
 
@@ -396,6 +454,7 @@ EXPORT CUresult cuGetErrorString(CUresult code, const char** text) { return desc
 GETTER(long long, double_register_calls, register_calls)
 GETTER(long long, double_unregister_calls, unregister_calls)
 GETTER(long long, double_copy_calls, copy_calls)
+GETTER(long long, double_batch_calls, batch_calls)
 GETTER(long long, double_registered_ranges, n_ranges)
 GETTER(size_t, double_registered_bytes, registered_bytes)
 GETTER(long long, double_pending_copies, queued - done) /* queued and not run yet */
@@ -423,7 +482,7 @@ EXPORT void double_hold_copies(int hold) {
    queued copies, the hold and any poison. */
 EXPORT void double_reset_counters(void) {
   pthread_mutex_lock(&lock);
-  register_calls = unregister_calls = copy_calls = 0;
+  register_calls = unregister_calls = copy_calls = batch_calls = 0;
   n_log = 0;
   pthread_mutex_unlock(&lock);
 }

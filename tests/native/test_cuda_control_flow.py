@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from cuda_double import (  # noqa: F401 (fixtures)
+    cuda_double_batch_fixture,
     cuda_double_fixture,
     cuda_double_old_driver_fixture,
 )
@@ -86,6 +87,10 @@ def test_the_driver_is_loaded_at_run_time_from_the_configured_library(cuda_doubl
     lines = got["lines"]
     assert f"driver: {got['path']} (version 12.8)" in lines, lines
     assert "pinning a test buffer: works" in lines, lines
+    assert got["batched_copies"] == ""  # the double of a driver before 12.8
+    assert "device-to-host copies: one cuMemcpyDtoHAsync per copy (the driver has no" in (
+        "\n".join(lines)
+    ), lines
     if torch.cuda.is_available():  # a GPU machine: the double stands in for its driver
         assert lines[-1] == "CUDA staging: usable", lines
     else:  # torch sees no CUDA: staging CUDA tensors cannot run, and says why
@@ -265,3 +270,117 @@ def test_a_sticky_error_midway_is_typed_and_keeps_the_segment_mapped(cuda_double
     assert "sticky" not in first["error"]
     assert first["kept_mapped"] is False  # nothing was queued: the segment unmaps normally
     assert first["after"] == "copied"
+
+
+# A batch of many small copies and a large one across chunk boundaries, on a stream (the double
+# takes any non-null handle: it has one queue), checked where they landed.
+BATCH = """
+chunk = 3 * 4096
+seg = native.Segment.create(32 * 4096)
+if not seg.pin(chunk):
+    raise SystemExit(seg.pin_error)
+base = seg.data_offset
+sources = [np.full(300, i % 251, dtype=np.uint8) for i in range(200)]
+big = np.arange(8 * 4096, dtype=np.uint32).view(np.uint8)[: 7 * 4096 + 5]
+rows = [(s.ctypes.data, base + 300 * i, 300) for i, s in enumerate(sources)]
+rows.append((big.ctypes.data, base + 70000, big.nbytes))
+rows = np.array(rows, dtype=np.uint64)
+
+def stage(stream):
+    seg.copy_from_device(rows, stream, 0).wait(30)
+    view = np.frombuffer(seg, dtype=np.uint8)
+    ok = all((view[base + 300 * i : base + 300 * (i + 1)] == i % 251).all() for i in range(200))
+    ok = ok and bool((view[base + 70000 : base + 70000 + big.nbytes] == big).all())
+    view[base : base + 80000] = 0  # for the next stage to fill again
+    del view
+    return ok
+
+def counts():
+    return {"batch": lib.double_batch_calls(), "copy": lib.double_copy_calls(),
+            "logged": len(copy_log(lib))}
+"""
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_many_copies_go_in_one_batched_driver_call_where_the_driver_has_it(cuda_double_batch):
+    got = scenario(
+        cuda_double_batch,
+        BATCH
+        + textwrap.dedent(
+            """
+        out["ok"] = [stage(0x5000), stage(0x5000)]
+        out["two_stages"] = counts()
+        out["log"] = [(dst - seg.address, n) for dst, _, n in copy_log(lib)]
+        out["chunk"] = chunk
+        out["ok"].append(stage(0))  # the legacy default stream: batches never take it
+        out["null_stream"] = counts()
+        out.update(_C.cuda_driver_status())
+        from pyshmckpt.shm.cuda import cuda_info
+        out["lines"] = cuda_info().lines()
+        seg.close()
+        """
+        ),
+    )
+    assert got["ok"] == [True, True, True]
+    assert got["batched_copies"] == "cuMemcpyBatchAsync_v2"
+    assert got["two_stages"]["batch"] == 2, got  # one call per stage, however many tensors
+    assert got["two_stages"]["copy"] == 0, got
+    pieces = got["two_stages"]["logged"] // 2
+    assert pieces > 201  # 200 small copies, some split at a chunk boundary, and the large one cut
+    chunk = got["chunk"]
+    assert all(dst // chunk == (dst + n - 1) // chunk for dst, n in got["log"]), "spans chunks"
+    assert got["null_stream"]["batch"] == 2 and got["null_stream"]["copy"] == pieces, got
+    assert (
+        "device-to-host copies: batched: one cuMemcpyBatchAsync_v2 per device and stage"
+        in (got["lines"])
+    ), got["lines"]
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_driver_that_refuses_batches_gets_one_call_per_copy_from_then_on(cuda_double_batch):
+    got = scenario(
+        cuda_double_batch,
+        BATCH
+        + textwrap.dedent(
+            """
+        out["ok"] = [stage(0x5000)]
+        out["first"] = counts()
+        out["ok"].append(stage(0x5000))
+        out["second"] = counts()
+        out["method"] = _C.cuda_driver_status()["copy_method"]
+        seg.close()
+        """
+        ),
+        double_fail_batch_code=801,  # CUDA_ERROR_NOT_SUPPORTED
+    )
+    assert got["ok"] == [True, True]
+    assert got["first"]["batch"] == 1 and got["first"]["copy"] > 201, got
+    assert got["second"]["batch"] == 1, got  # not tried again
+    assert got["second"]["copy"] == 2 * got["first"]["copy"], got
+    assert got["method"].startswith(
+        "one cuMemcpyDtoHAsync per copy (the driver refused a batch: cuMemcpyBatchAsync_v2 failed"
+    ), got["method"]
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_sticky_error_of_a_batch_is_typed_and_keeps_the_segment_mapped(cuda_double_batch):
+    got = scenario(
+        cuda_double_batch,
+        BATCH
+        + textwrap.dedent(
+            """
+        try:
+            stage(0x5000)
+        except pyshmckpt.CudaError as exc:
+            out["error"] = str(exc)
+        out["kept_mapped"] = seg.kept_mapped
+        out["after"] = counts()
+        seg.close()
+        """
+        ),
+        double_fail_batch_code=700,  # CUDA_ERROR_ILLEGAL_ADDRESS
+    )
+    assert "cuMemcpyBatchAsync_v2 failed: CUDA_ERROR_ILLEGAL_ADDRESS" in got["error"], got
+    assert "sticky error" in got["error"], got
+    assert got["kept_mapped"] is True  # the driver gives no promise that nothing was queued
+    assert got["after"]["copy"] == 0, got  # no fallback for an error that is not a refusal
