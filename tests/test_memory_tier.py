@@ -364,7 +364,8 @@ class Background:
         roots = {"root": directory / "ckpt"}
         root = str(roots["root"])
         if label == "shared":  # one root per test that reads or takes over a hold
-            roots = {name: directory / name for name in ("read", "takeover", "corrupt")}
+            names = ("read", "takeover", "corrupt", "mapped-first", "taken-first")
+            roots = {name: directory / name for name in names}
             # Under a directory others may enter: only the hold's own modes keep them out.
             self._public = Path(tempfile.mkdtemp(prefix=f"{prefix}-"))
             self._public.chmod(0o755)
@@ -629,6 +630,55 @@ def test_a_new_trainer_takes_the_held_checkpoint_over_as_its_first_slot(shared_j
     assert visible(root) == ["step-1", "step-3"]
     assert ours(shared_job.prefix) == before - {segment.name, record_path.name}
     assert_same_tree(make_state(3), pyshmckpt.load(root))
+
+
+def mapping_of(tensor: torch.Tensor) -> str:
+    """The file (or "" for anonymous memory) whose mapping holds `tensor`'s bytes."""
+    address = tensor.untyped_storage().data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= address < end:
+            return fields[5] if len(fields) == 6 else ""
+    raise AssertionError(f"{address:#x} is in no mapping")
+
+
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_tensors_restored_as_maps_of_the_held_checkpoint_never_change(shared_job, monkeypatch):
+    """load(mmap=True) from memory: the tensors are copy-on-write views of the held segment (no
+    copy), and a trainer started after it never takes that segment over, so its saves never
+    show through them."""
+    shared_job.died()
+    monkeypatch.setenv(PREFIX_VARIABLE, shared_job.prefix)
+    root = shared_job.roots["mapped-first"]
+    segment = record_of(root)["segment"]["name"]
+    state = pyshmckpt.load(root, source="memory", mmap=True)
+    assert_same_tree(make_state(2), state)
+    assert mapping_of(state["model"]["embed.weight"]) == str(SHM / segment)  # zero-copy
+    with opened(root) as ck:
+        for step in (3, 4, 5):  # with two slots, the third save reuses the first's
+            ck.save(make_state(step), name=f"step-{step}", persist=False).result(timeout=60)
+        assert segment not in [slot.name for slot in ck._stager.arena.slots]  # not taken over
+    assert_same_tree(make_state(2), state)
+    state["model"]["embed.weight"].add_(1.0)  # private to this process: the held copy stays
+    assert_same_tree(make_state(2), pyshmckpt.load(root, source="memory"))
+
+
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_a_mapped_restore_of_a_segment_taken_over_is_a_copy(shared_job, monkeypatch):
+    """The other order: a trainer took the held segment over (and will write it at its second
+    save), so load(mmap=True) copies what it restores from it."""
+    shared_job.died()
+    monkeypatch.setenv(PREFIX_VARIABLE, shared_job.prefix)
+    root = shared_job.roots["taken-first"]
+    segment = record_of(root)["segment"]["name"]
+    with opened(root) as ck:
+        assert ck._stager.arena.slots[0].name == segment  # taken over
+        state = pyshmckpt.load(root, source="memory", mmap=True)
+        assert mapping_of(state["model"]["embed.weight"]) != str(SHM / segment)  # copied
+        for step in (3, 4, 5):
+            ck.save(make_state(step), name=f"step-{step}", persist=False).result(timeout=60)
+    assert_same_tree(make_state(2), state)
 
 
 @pytest.mark.timeout(TEST_TIMEOUT)

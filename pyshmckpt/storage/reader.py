@@ -21,6 +21,7 @@ from ..errors import (
     PickleNotAllowedError,
     from_os_error,
 )
+from ..shm import mapped
 from ..shm.native import read_file_ranges
 from ..staging.manifest import ARRAY, CUPY
 from . import resharding, tree_codec
@@ -67,6 +68,8 @@ def load_opened(
             return into
         device = torch.device("cpu" if map_location is None else map_location)
         in_memory = device.type == "cpu" if mmap is None else not mmap
+        if memory and not in_memory and not mapped.keep_unwritten(opened.file.fileno()):
+            in_memory = True  # a trainer took the segment over and will write it: copied
         arrays = _ArrayMaker(_cupy(opened, cupy_as), device)
         file = _rank_file(
             opened, rank, allow_pickle, verify_all=verify, in_memory=in_memory, arrays=arrays

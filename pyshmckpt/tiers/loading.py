@@ -101,7 +101,10 @@ def load(
         rank: whose files to read (and, resharding, whose shards `into` holds); None: this
             process's rank in torch.distributed (0 without it).
         into: a state dict to fill in place instead of building a new one.
-        mmap: map the file instead of reading it into memory (None: by `map_location`).
+        mmap: map the file instead of reading it into memory (None: by `map_location`). For a
+            checkpoint held in memory, the tensors are then copy-on-write views of the held
+            memory (nothing copied), which no later save changes; a held checkpoint that a
+            `Checkpointer` took over as a slot is copied instead.
         cupy_as: what saved CuPy arrays come back as: ``"cupy"`` (needs CuPy and a CUDA
             device) or ``"numpy"``. Not used with `into`, whose arrays are filled as they are.
         source: for a checkpoint root, where from: ``"auto"`` (the newest of memory and disk),

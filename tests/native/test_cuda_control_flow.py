@@ -329,7 +329,8 @@ def test_many_copies_go_in_one_batched_driver_call_where_the_driver_has_it(cuda_
     assert pieces > 201  # 200 small copies, some split at a chunk boundary, and the large one cut
     chunk = got["chunk"]
     assert all(dst // chunk == (dst + n - 1) // chunk for dst, n in got["log"]), "spans chunks"
-    assert got["null_stream"]["batch"] == 2 and got["null_stream"]["copy"] == pieces, got
+    assert got["null_stream"]["batch"] == 2, got
+    assert got["null_stream"]["copy"] == pieces, got
     assert (
         "device-to-host copies: batched: one cuMemcpyBatchAsync_v2 per device and stage"
         in (got["lines"])
@@ -354,7 +355,8 @@ def test_a_driver_that_refuses_batches_gets_one_call_per_copy_from_then_on(cuda_
         double_fail_batch_code=801,  # CUDA_ERROR_NOT_SUPPORTED
     )
     assert got["ok"] == [True, True]
-    assert got["first"]["batch"] == 1 and got["first"]["copy"] > 201, got
+    assert got["first"]["batch"] == 1, got
+    assert got["first"]["copy"] > 201, got
     assert got["second"]["batch"] == 1, got  # not tried again
     assert got["second"]["copy"] == 2 * got["first"]["copy"], got
     assert got["method"].startswith(
