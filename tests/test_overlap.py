@@ -189,3 +189,22 @@ def test_a_script_that_ends_or_dies_after_its_last_save_keeps_it(tmp_path: Path,
     loaded = pyshmckpt.load(root / "step-2")
     assert loaded["n"] == 2
     assert_same_tree(torch.load(expected), loaded["model"])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_dcp_async_save_with_an_asynchronous_shm_stager_is_guarded_too(tmp_path: Path, net) -> None:
+    """DCP's async_save with ShmStager(async_staging=True): the next training step right away
+    waits for the copies, so the checkpoint DCP writes is the state at async_save."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer = net
+    state = {"model": model.state_dict()}
+    expected = snapshot(state)
+    with pyshmckpt.ShmStager(async_staging=True) as stager:
+        response = dcp.async_save(state, checkpoint_id=str(tmp_path), async_stager=stager)
+        step(model, optimizer, 11)  # no wait for DCP's staging future in between
+        assert guards.in_flight() == 0
+        getattr(response, "upload_completion", response).result(timeout=SAVE_TIMEOUT)
+    target = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
+    dcp.load(target, checkpoint_id=str(tmp_path))
+    assert_same_tree(dict(expected["model"]), target["model"])

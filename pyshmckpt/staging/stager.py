@@ -30,7 +30,7 @@ from ..errors import (
 )
 from ..shm import Arena, Slot, SlotAddress, SlotState
 from ..shm.native import Segment, set_copy_threads
-from . import copies, layout, planner
+from . import copies, guards, layout, planner
 from .dtensors import loaded_dtensor_type
 from .manifest import Manifest, rebuild, tensor_steps
 
@@ -256,8 +256,10 @@ class SlotStager:
         Blocks until the copies are done, or, with ``async_staging``, only while the state dict
         is laid out and checked: the copies then run on a background thread, and the caller
         must not change the source until the Future resolves (DCP's
-        `synchronize_staging`). A stage waits up to the slot timeout for a free slot. A failed
-        stage leaves the stager usable, with nothing staged.
+        `synchronize_staging`); every torch optimizer's step and the forward of a module with
+        buffers in training mode wait for it by themselves (see ``Checkpointer(overlap=True)``).
+        A stage waits up to the slot timeout for a free slot. A failed stage leaves the stager
+        usable, with nothing staged.
 
         Args:
             state_dict: nested dicts, lists and tuples (named tuples and OrderedDicts too) of
@@ -288,6 +290,8 @@ class SlotStager:
             staging_plan = self._plan(state_dict, defer_flags=True)
             return self._staged(state_dict, staging_plan, None)
         future = self._executor.submit(self.prepare(state_dict))
+        # An optimizer's step (and a forward that updates buffers) waits for the copies.
+        guards.track(future, self._slot_timeout + knobs.device_copy_timeout() + 30.0)
         self._pending = future
         return future
 
