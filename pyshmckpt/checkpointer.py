@@ -210,8 +210,9 @@ class Checkpointer:
             change: every torch optimizer's ``step`` and the forward of a module that has
             buffers, in training mode, wait for them by themselves (global hooks); anything
             else that changes the state in place (an EMA update, a hand-written parameter
-            update) must call `wait_staged` first. A save is safe from the trainer's death once
-            its copies have landed, not when `save` returns.
+            update) must call `wait_staged` first. A save outlives the trainer's death once its
+            copies have landed and it is handed to the writer (when `wait_staged` returns, or
+            the next optimizer step starts), not when `save` returns.
 
     Attributes:
         root: the checkpoint root, as given.
@@ -547,18 +548,18 @@ class Checkpointer:
         overwrite: bool,
         staged_ns: int,
     ) -> None:
-        """An overlapped save, on the staging thread: the copies, then the hand-over."""
+        """An overlapped save, on the staging thread: the copies, then the hand-over; `staging`
+        resolves once both are done (the state may change, and the save outlives this
+        process)."""
         try:
             staged = copy()
-        except BaseException as exc:
-            staging.set_exception(exc)
-            result.set_exception(exc)
-            return
-        staging.set_result(None)  # the state is free to change from here
-        try:
             self._hand_over(staged, result, target, persist, overwrite, staged_ns)
         except BaseException as exc:
-            result.set_exception(exc)
+            if not result.done():
+                result.set_exception(exc)
+            staging.set_exception(exc)
+            return
+        staging.set_result(None)
 
     def _hand_over(
         self,
@@ -608,8 +609,9 @@ class Checkpointer:
         self._saved = True  # handed to the writer: it has something to hold
 
     def wait_staged(self, timeout: float | None = None) -> None:
-        """With ``overlap``: wait until the newest save's copies have landed, after which its
-        state dict may change. Nothing to wait for without ``overlap`` (`save` returns staged).
+        """With ``overlap``: wait until the newest save's copies have landed and it is handed to
+        the writer process, after which its state dict may change and the save outlives this
+        process. Nothing to wait for without ``overlap`` (`save` returns staged).
 
         Args:
             timeout: seconds to wait at most (None: the staging's own bound, a free slot's
