@@ -22,7 +22,7 @@ import time
 import weakref
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import _processes, knobs
 from .errors import (
@@ -113,6 +113,15 @@ def _dying_of_an_exception() -> bool:
 def _clean_exit(error: BaseException) -> bool:
     """Whether `error` ends the program as a success (``sys.exit()``, ``sys.exit(0)``)."""
     return isinstance(error, SystemExit) and error.code in (None, 0)
+
+
+class _Request(NamedTuple):
+    """A save as `save` was asked for it: where, whether to disk, replacing, and when."""
+
+    target: Path
+    persist: bool
+    overwrite: bool
+    staged_ns: int
 
 
 def _check_plain(manifest: Any) -> None:
@@ -515,11 +524,11 @@ class Checkpointer:
             commit.check_replaceable(target)
         if not persist and not self._hold:
             raise ConfigError("save(persist=False) keeps a checkpoint in memory: needs hold=True")
-        staged_ns = time.time_ns()
+        request = _Request(target, persist, overwrite, time.time_ns())
         result: Future[Path] = Future()
         if not self._overlap:
             staged = self._stager.stage(state_dict)
-            self._hand_over(staged, result, target, persist, overwrite, staged_ns)
+            self._hand_over(staged, result, request)
         else:
             self._wait_staging()  # saves are handed to the writer in order
             copy = self._stager.prepare(state_dict)  # checked now: bad input raises here
@@ -531,29 +540,21 @@ class Checkpointer:
                 )
             self._staging = staging
             self._staging_job = self._staging_thread.submit(
-                self._stage_and_hand_over, copy, staging, result, target, persist, overwrite,
-                staged_ns,
-            )  # fmt: skip
+                self._stage_and_hand_over, copy, staging, result, request
+            )
         with self._lock:
             self._pending = [p for p in self._pending if not p.done()] + [result]
         return result
 
     def _stage_and_hand_over(
-        self,
-        copy: Any,
-        staging: Future[None],
-        result: Future[Path],
-        target: Path,
-        persist: bool,
-        overwrite: bool,
-        staged_ns: int,
+        self, copy: Any, staging: Future[None], result: Future[Path], request: _Request
     ) -> None:
         """An overlapped save, on the staging thread: the copies, then the hand-over; `staging`
         resolves once both are done (the state may change, and the save outlives this
         process)."""
         try:
             staged = copy()
-            self._hand_over(staged, result, target, persist, overwrite, staged_ns)
+            self._hand_over(staged, result, request)
         except BaseException as exc:
             if not result.done():
                 result.set_exception(exc)
@@ -561,16 +562,9 @@ class Checkpointer:
             return
         staging.set_result(None)
 
-    def _hand_over(
-        self,
-        staged: Any,
-        result: Future[Path],
-        target: Path,
-        persist: bool,
-        overwrite: bool,
-        staged_ns: int,
-    ) -> None:
+    def _hand_over(self, staged: Any, result: Future[Path], request: _Request) -> None:
         """Hand a staged save to the writer; `result` resolves with it."""
+        target, persist, overwrite, staged_ns = request
         name = target.name
         extra: dict[str, Any] = {"replace": True} if overwrite else {}
         if not self._link_latest:
