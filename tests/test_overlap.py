@@ -179,7 +179,8 @@ def test_a_script_that_ends_or_dies_after_its_last_save_keeps_it(tmp_path: Path,
     root, expected = tmp_path / "ckpt", tmp_path / "expected.pt"
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(root), str(expected), end],
-        env=child_env(), capture_output=True, text=True, timeout=120,
+        env=child_env(), cwd=tmp_path,  # not the checkout: its package is not built in place
+        capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == (-signal.SIGKILL if end == "kill" else 0), done.stderr
     # The writer (orphaned by the kill) commits the staged save, then exits.
