@@ -39,7 +39,7 @@ from .errors import (
 )
 from .shm.native import Segment
 from .staging import SlotStager, guards
-from .storage import commit, liveness, shared_commit, tree_codec, writer_spec
+from .storage import commit, liveness, locations, shared_commit, tree_codec, writer_spec
 from .tiers import holding, loading, records, replication, takeover, topology
 from .tiers.records import HoldInfo
 from .tiers.replication import ReplicaConfig
@@ -238,7 +238,9 @@ class Checkpointer:
             ``config`` field.
         ConfigTypeError: ``rank``, ``world_size`` or ``capacity_bytes`` is not an int, or
             ``config`` is neither pyshmckpt's nor torch's ``CheckpointProcessConfig``.
-        NotSupportedError: a single-process writer ("dcp") with ``world_size`` above 1.
+        NotSupportedError: a single-process writer ("dcp") with ``world_size`` above 1;
+            `UnsupportedLocationError` for a root that is a URL (``s3://`` ...): checkpoints go
+            to a local or shared filesystem.
         PyshmckptOSError: the root cannot be created, is not a directory
             (`PathNotADirectoryError`) or not writable (`AccessDeniedError`), or the slots of
             ``capacity_bytes`` cannot be created (``/dev/shm`` too small).
@@ -280,7 +282,7 @@ class Checkpointer:
             isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
         ):
             raise ConfigError(f"keep_last must be a positive int or None, not {keep_last!r}")
-        self.root = Path(root)
+        self.root = locations.local_path(root, "checkpoint root")
         spec = writer_spec(writer)
         self._allow_pickle = bool(allow_pickle)
         self.rank, self.world_size = _rank_and_world_size(rank, world_size)

@@ -91,6 +91,28 @@ class NotSupportedError(PyshmckptError, NotImplementedError):
     """
 
 
+class UnsupportedLocationError(NotSupportedError):
+    """Raised for a checkpoint location pyshmckpt cannot write or read: a URL (``s3://``,
+    ``gs://``, ``https://`` ...) where a directory on a local or shared filesystem is needed. It
+    is never taken for a local path (``Path("s3://b/k")`` would be the relative directory
+    ``s3:/b/k``).
+
+    Derives from `NotSupportedError`.
+
+    Attributes:
+        location: the location as given.
+        reason: why it is refused, in words.
+    """
+
+    def __init__(self, location: str, reason: str) -> None:
+        super().__init__(f"{location}: {reason}")
+        self.location = location
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles (across processes) with its arguments
+        return type(self), (self.location, self.reason), self.__dict__
+
+
 # -- staging ---------------------------------------------------------------------------------
 
 

@@ -40,6 +40,8 @@ def sample(cls: type[BaseException]) -> BaseException:
                    "builtins.OSError", errno.ENOSPC, "No space left on device")  # fmt: skip
     if issubclass(cls, errors.WriterError):
         return cls("checkpoint writer raised:\nTraceback ...", "builtins.ValueError")
+    if issubclass(cls, errors.UnsupportedLocationError):
+        return cls("s3://bucket/run", "object storage is not supported")
     if issubclass(cls, errors.CleanupError):
         return cls([errors.WriterShutdownTimeoutError("ignored SIGTERM")])
     if issubclass(cls, errors.PyshmckptOSError):

@@ -57,7 +57,7 @@ from ..errors import (
     as_writer_error,
     os_error,
 )
-from ..storage import commit
+from ..storage import commit, locations
 from ..storage.rank_files import ranks
 from ..storage.safetensors_writer import file_names
 from ..tiers import load
@@ -498,4 +498,4 @@ def _plain_file_name(name: Any) -> bool:
 def _as_path(value: Any, what: str) -> Path:
     if not isinstance(value, (str, os.PathLike)):
         raise ConfigTypeError(f"{what} must be a path, not {type(value).__name__}")
-    return Path(value).expanduser().resolve()
+    return locations.local_path(value, what).expanduser().resolve()

@@ -81,7 +81,7 @@ from ..errors import (
     NotSupportedError,
     from_os_error,
 )
-from ..storage import TorchFileWriter, liveness
+from ..storage import TorchFileWriter, liveness, locations
 from ..transport import CheckpointProcess, CheckpointProcessConfig, RankInfo, no_init
 from .deepspeed_latest import LATEST, TagWriter, marker, write_marker
 
@@ -600,7 +600,7 @@ def _agreement_timeout(config: CheckpointProcessConfig, commit_timeout: float) -
 
 
 def _absolute(path: str | os.PathLike[str]) -> str:
-    return str(Path(path).absolute())
+    return str(locations.local_path(path, "checkpoint path").absolute())
 
 
 def _same_dir(a: str, b: str) -> bool:

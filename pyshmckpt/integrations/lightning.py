@@ -39,7 +39,7 @@ from ..errors import (
     as_writer_error,
     from_os_error,
 )
-from ..storage import commit, writer_spec
+from ..storage import commit, locations, writer_spec
 from ..tiers import load
 
 logger = logging.getLogger(__name__)
@@ -371,7 +371,4 @@ def _os_errors(what: str) -> Iterator[None]:
 def _local_path(path: Any) -> Path:
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigTypeError(f"checkpoint path must be a str or path, not {type(path).__name__}")
-    text = os.fspath(path)
-    if "://" in str(text) and not str(text).startswith("file://"):
-        raise NotSupportedError(f"{text}: pyshmckpt writes to local or mounted filesystems only")
-    return Path(str(text).removeprefix("file://")).absolute()
+    return locations.local_path(path, "checkpoint path").absolute()

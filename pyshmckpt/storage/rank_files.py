@@ -22,7 +22,7 @@ from .._unfilled import unfilled
 from ..errors import CheckpointCorruptError, NotSupportedError, from_os_error
 from ..shm.native import copy_threads, crc32c
 from ..staging.manifest import ARRAY, ARRAY_DTYPES, DTYPES, PARAMETER, REQUIRES_GRAD
-from . import commit
+from . import commit, locations
 from .safetensors_header import CODE_TO_DTYPE, expected_crcs, parse_header
 from .safetensors_writer import FORMAT, FORMAT_VERSION, file_names
 
@@ -39,7 +39,7 @@ class OpenedRank(NamedTuple):
 
 
 def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
-    p = Path(path)
+    p = locations.local_path(path, "checkpoint path")
     if p.is_file():
         return p.parent
     if p.is_dir() and not (p / file_names(0)[1]).exists():

@@ -21,7 +21,7 @@ from ..errors import (
     RestoreError,
 )
 from ..staging import guards
-from ..storage import commit, reader
+from ..storage import commit, locations, reader
 from ..storage.rank_files import OpenedRank, checkpoint_dir, open_rank
 from ..storage.safetensors_writer import file_names
 from . import restore
@@ -139,12 +139,15 @@ def load(
             checkpoint (its reason is in the message; that rank raises its own error), or one
             did not take part in the agreement (failed, left, or did not call `load` within
             ``PYSHMCKPT_RESTORE_TIMEOUT``).
-        ConfigTypeError: `rank` is not an int.
+        ConfigTypeError: `rank` is not an int, or `path` is not a str or path.
+        UnsupportedLocationError: `path` is a URL (``s3://`` ...), not a local or shared
+            filesystem path (a `NotSupportedError`).
         StagingTimeoutError: with `into`, an overlapped save of this process did not finish
             copying the state within its bound.
     """
     if cupy_as not in ("cupy", "numpy"):
         raise ConfigError(f"cupy_as must be 'cupy' or 'numpy', not {cupy_as!r}")
+    path = locations.local_path(path, "checkpoint path")
     if into is not None:  # never fill tensors an overlapped save of this process still reads
         guards.wait_all("load(into=...)")
     kwargs = {"map_location": map_location, "allow_pickle": allow_pickle, "into": into,

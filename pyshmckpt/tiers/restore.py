@@ -38,7 +38,7 @@ from ..errors import (
     RestoreError,
     from_os_error,
 )
-from ..storage import commit
+from ..storage import commit, locations
 from ..storage.rank_files import OpenedRank, open_rank
 from ..storage.safetensors_writer import file_names
 from . import peer_restore, records, wire
@@ -71,8 +71,12 @@ class Choice(NamedTuple):
 
 
 def is_root(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` is a checkpoint root (not one checkpoint, nor a file of one)."""
-    p = Path(path)
+    """Whether `path` is a checkpoint root (not one checkpoint, nor a file of one).
+
+    Raises:
+        UnsupportedLocationError: `path` is a URL, not a local path.
+    """
+    p = locations.local_path(path, "checkpoint path")
     try:
         if p.is_file():
             return False

@@ -1,0 +1,72 @@
+"""Where checkpoints go: a local (or shared) filesystem path. A URL is never taken for one.
+
+``Path("s3://bucket/run")`` is the relative path ``s3:/bucket/run``: written there, checkpoints
+would land in a directory named ``s3:`` of the current directory while the caller believes them
+in a bucket. So every place that takes a checkpoint root, directory or file (the Checkpointer,
+`load`, `verify`, the command line, the framework adapters) passes it through `local_path`,
+which refuses anything that starts like a URL (``scheme:/``, also after a Path collapsed its
+``//``) with `UnsupportedLocationError`, and takes ``file://`` URLs as the path they name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from ..errors import UnsupportedLocationError
+
+# A URL's scheme (RFC 3986) and the slash that follows it: "s3://b/k", or "s3:/b/k" once a Path
+# collapsed the double slash.
+_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):/")
+_OBJECT_STORES = {
+    "s3": "Amazon S3 or a service speaking its API",
+    "s3a": "Amazon S3",
+    "gs": "Google Cloud Storage",
+    "gcs": "Google Cloud Storage",
+    "az": "Azure Blob Storage",
+    "abfs": "Azure Data Lake Storage",
+    "abfss": "Azure Data Lake Storage",
+}
+
+
+def local_path(value: Any, what: str = "checkpoint location") -> Path:
+    """`value` (a str or path-like) as a local filesystem path.
+
+    Raises:
+        UnsupportedLocationError: `value` is a URL other than ``file://`` (object storage, http):
+            it is refused, never taken for a local directory of that name.
+        ConfigTypeError: `value` is neither a str nor path-like (from `os.fspath`).
+    """
+    try:
+        text = os.fspath(value)
+    except TypeError:
+        from ..errors import ConfigTypeError
+
+        raise ConfigTypeError(
+            f"a {what} must be a str or a path, not {type(value).__name__}"
+        ) from None
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    match = _URL.match(text)
+    if match is None:
+        return Path(text)
+    scheme = match.group("scheme").lower()
+    if scheme == "file":
+        parts = urlsplit(text)
+        if parts.netloc not in ("", "localhost"):
+            raise UnsupportedLocationError(
+                text, f"a file:// URL of another host ({parts.netloc}) is not a local path"
+            )
+        return Path(unquote(parts.path))
+    service = _OBJECT_STORES.get(scheme)
+    why = (
+        f"object storage ({service}) is not supported: a {what} is a directory on a local or "
+        "shared filesystem; copy checkpoints to object storage with the service's own tools"
+        if service is not None
+        else f"'{scheme}:' URLs are not supported: a {what} is a directory on a local or shared "
+        "filesystem"
+    )
+    raise UnsupportedLocationError(text, why)
