@@ -55,16 +55,17 @@ def main() -> None:
     # Opening the root also removes what an interrupted save left behind (never a checkpoint
     # that a writer of the crashed run is still finishing).
     with pyshmckpt.Checkpointer(args.output, keep_last=args.keep_last) as checkpointer:
-        latest = checkpointer.latest()
-        if latest is None:
+        # The newest checkpoint, from memory when the crashed run's writer still holds it, else
+        # from disk; every checksum verified. None on a first start.
+        state = checkpointer.load(missing_ok=True)
+        if state is None:
             step = 0
             print(f"no checkpoint in {args.output}: training from step 0")
         else:
-            state = pyshmckpt.load(latest)  # every checksum verified
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             step = state["step"]
-            print(f"resumed from step {step} ({latest})")
+            print(f"resumed from step {step}")
 
         while step < args.steps:
             step += 1

@@ -171,19 +171,33 @@ class Holder:
             else:
                 self.withdraw()
                 attached.unlink_all()
-            for path, replica in replicas or ():
-                if _identity(path) is not None:  # not freed by a newer replica already
-                    records.publish(replica, os.getpid(), agent, timeout, path)
-                    held.append((path, replica))
         except Exception:
             logger.exception("cannot hold the newest checkpoint in memory: removing it")
             self.withdraw()
             attached.unlink_all()
-            for path, record in held + list(replicas or ()):
+            for path, record in held:
                 records.release(path, record)
+            held = []
+        # Each replica on its own: one that cannot be held costs itself alone.
+        kept = 0
+        for path, replica in replicas or ():
+            if _identity(path) is None:  # freed by a newer replica already
+                continue
+            try:
+                records.publish(replica, os.getpid(), agent, timeout, path)
+            except Exception:
+                logger.exception(
+                    "cannot hold the replica of %s (rank %s) in memory: removing it",
+                    replica.get("name"), replica.get("rank"),
+                )  # fmt: skip
+                records.release(path, replica)
+                continue
+            held.append((path, replica))
+            kept += 1
+        if not held:
             return False
-        if replicas:
-            logger.warning("holding %d replica(s) of other nodes' ranks", len(replicas))
+        if kept:
+            logger.warning("holding %d replica(s) of other nodes' ranks", kept)
         self._watch_terminate()
         _silence_output()
         self._wait(held, timeout, self._launcher(agent))
