@@ -74,14 +74,35 @@ def layer_of(module: str) -> int:
     return best
 
 
-def imports(module: str, path: Path) -> list[tuple[int, str]]:
+def _eager(body: list[ast.stmt]) -> list[ast.AST]:
+    """The statements of a module's body that run when it is imported: its own, and those of its
+    top-level ``if`` (not ``if TYPE_CHECKING``), ``try`` and ``with`` blocks; not function or
+    class bodies (a function's import runs when it is called)."""
+    out: list[ast.AST] = []
+    for node in body:
+        if isinstance(node, ast.If):
+            if not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                out += _eager(node.body) + _eager(node.orelse)
+        elif isinstance(node, ast.Try):
+            out += _eager(node.body) + _eager(node.orelse) + _eager(node.finalbody)
+            for handler in node.handlers:
+                out += _eager(handler.body)
+        elif isinstance(node, ast.With):
+            out += _eager(node.body)
+        else:
+            out.append(node)
+    return out
+
+
+def imports(module: str, path: Path, eager: bool = False) -> list[tuple[int, str]]:
     """(line, imported module) for every import of a pyshmckpt module in `path`, relative ones
-    resolved; `from X import y` counts as importing X.y when X.y is a module, else X."""
+    resolved; `from X import y` counts as importing X.y when X.y is a module, else X. With
+    `eager`, only the imports that run when the module is imported (see `_eager`)."""
     tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     known = modules()
     found = []
-    for node in ast.walk(tree):
+    for node in _eager(tree.body) if eager else ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [
                 (node.lineno, alias.name)
@@ -145,6 +166,31 @@ def test_every_import_points_down():
                     f"{target} ({LAYERS[there][0]})"
                 )
     assert not upward, "imports that point up the layers:\n" + "\n".join(upward)
+
+
+def test_no_modules_import_each_other_when_imported():
+    """No cycle of imports that run at import time (within a layer too): a module of the cycle
+    would see a half-initialized other, whichever is imported first."""
+    graph = {
+        module: {target for _, target in imports(module, path, eager=True) if target != module}
+        for module, path in modules().items()
+    }
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(module: str, trail: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join(trail[trail.index(target) :] + [module, target]))
+            elif target in graph and target not in state:
+                visit(target, [*trail, module])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
 def test_the_layer_check_resolves_relative_imports(tmp_path):
