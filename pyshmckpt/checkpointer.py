@@ -460,8 +460,10 @@ class Checkpointer:
 
         Blocks while the state is copied into a free slot (and, when every slot still holds a
         save being written, until one frees up); returns once staging is complete, after which
-        the caller may change or free `state_dict`. The writer process then writes and commits
-        it. A failed save leaves the Checkpointer usable.
+        the caller may change or free `state_dict`. With ``overlap``, returns once the state is
+        laid out and checked instead: the copies run on the staging thread, and `state_dict`
+        may change once they have landed (see ``overlap`` and `wait_staged`). The writer
+        process then writes and commits it. A failed save leaves the Checkpointer usable.
 
         Args:
             state_dict: nested dicts, lists and tuples of tensors (CPU or CUDA, DTensors) and
