@@ -274,8 +274,6 @@ class Checkpointer:
         self._staging: Future[None] | None = None
         self._staging_job: Future[None] | None = None
         self._staging_thread: concurrent.futures.ThreadPoolExecutor | None = None
-        # A staging waits for a free slot and for its device copies, each bounded.
-        self._staging_bound = knobs.slot_timeout() + knobs.device_copy_timeout() + 30.0
         self._replica_port: socket.socket | None = None
         self._link_latest = bool(link_latest)
         if keep_last is not None and (
@@ -537,7 +535,7 @@ class Checkpointer:
             self._wait_staging()  # saves are handed to the writer in order
             copy = self._stager.prepare(state_dict)  # checked now: bad input raises here
             staging: Future[None] = Future()
-            guards.track(staging, self._staging_bound)
+            guards.track(staging, self._stager.staging_bound)
             if self._staging_thread is None:
                 self._staging_thread = concurrent.futures.ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix="pyshmckpt-stage"
@@ -622,7 +620,7 @@ class Checkpointer:
         staging = self._staging
         if staging is None:
             return
-        bound = self._staging_bound if timeout is None else timeout
+        bound = self._stager.staging_bound if timeout is None else timeout
         try:
             staging.result(timeout=bound)
         except concurrent.futures.TimeoutError:
@@ -635,10 +633,10 @@ class Checkpointer:
         its errors are its Future's."""
         job = self._staging_job
         if job is not None:
-            concurrent.futures.wait([job], timeout=self._staging_bound)
+            concurrent.futures.wait([job], timeout=self._stager.staging_bound)
             if not job.done():
                 raise StagingTimeoutError(
-                    f"the previous save was not staged within {self._staging_bound:g} s"
+                    f"the previous save was not staged within {self._stager.staging_bound:g} s"
                 )
 
     def wait(self, timeout: float | None = None) -> list[Path]:

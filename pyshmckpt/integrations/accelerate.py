@@ -496,6 +496,4 @@ def _plain_file_name(name: Any) -> bool:
 
 
 def _as_path(value: Any, what: str) -> Path:
-    if not isinstance(value, (str, os.PathLike)):
-        raise ConfigTypeError(f"{what} must be a path, not {type(value).__name__}")
     return locations.local_path(value, what).expanduser().resolve()

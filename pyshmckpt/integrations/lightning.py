@@ -369,6 +369,4 @@ def _os_errors(what: str) -> Iterator[None]:
 
 
 def _local_path(path: Any) -> Path:
-    if not isinstance(path, (str, os.PathLike)):
-        raise ConfigTypeError(f"checkpoint path must be a str or path, not {type(path).__name__}")
     return locations.local_path(path, "checkpoint path").absolute()

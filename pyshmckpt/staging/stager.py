@@ -245,6 +245,12 @@ class SlotStager:
         return self._closed or self._closing
 
     @property
+    def staging_bound(self) -> float:
+        """Seconds a stage can take at most: its wait for a free slot and for its device copies
+        are each bounded (a margin for the copies on the host)."""
+        return self._slot_timeout + knobs.device_copy_timeout() + 30.0
+
+    @property
     def plan_stats(self) -> planner.PlannerStats:
         """Full layouts and reused ones so far (see ``reuse_plans``), and why the last full
         layout was needed."""
@@ -291,7 +297,7 @@ class SlotStager:
             return self._staged(state_dict, staging_plan, None)
         future = self._executor.submit(self.prepare(state_dict))
         # An optimizer's step (and a forward that updates buffers) waits for the copies.
-        guards.track(future, self._slot_timeout + knobs.device_copy_timeout() + 30.0)
+        guards.track(future, self.staging_bound)
         self._pending = future
         return future
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from ..errors import UnsupportedLocationError
+from ..errors import ConfigTypeError, UnsupportedLocationError
 
 # A URL's scheme (RFC 3986) and the slash that follows it: "s3://b/k", or "s3:/b/k" once a Path
 # collapsed the double slash.
@@ -43,10 +43,8 @@ def local_path(value: Any, what: str = "checkpoint location") -> Path:
     try:
         text = os.fspath(value)
     except TypeError:
-        from ..errors import ConfigTypeError
-
         raise ConfigTypeError(
-            f"a {what} must be a str or a path, not {type(value).__name__}"
+            f"{what} must be a str or a path, not {type(value).__name__}"
         ) from None
     if isinstance(text, bytes):
         text = os.fsdecode(text)

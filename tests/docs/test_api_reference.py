@@ -55,6 +55,7 @@ INTERNAL: dict[str, dict[str, str]] = {
         "adopt": "the Checkpointer takes a checkpoint held in memory over as a slot",
         "hold": "the Checkpointer keeps the slot of the newest checkpoint (the memory tier)",
         "prepare": "the Checkpointer plans a save on the caller's thread and copies it on its own",
+        "staging_bound": "the Checkpointer bounds its waits for an overlapped save's staging",
     },
     "pyshmckpt.StagedHandle": {
         "segments": "the transport's: the stager's segments for the writer",
