@@ -158,19 +158,21 @@ def test_a_silent_buddy_costs_a_save_under_half_the_stall_timeout():
 
 
 def test_a_trickling_buddy_is_bounded_overall_while_progress_is_reported():
-    """A buddy that authenticates, then reads slowly (5 MiB/s): the bytes move (the writer
-    reports progress, so it is not taken for stalled), and the replication ends at its
-    timeout, not when the 32 MiB are through."""
+    """A buddy that authenticates, then reads slowly (under 5 MiB/s, in small pieces through a
+    small receive buffer, so the window opens a little at a time): the bytes move (the writer
+    reports progress as they do, so it is not taken for stalled), and the replication ends at
+    its timeout, not when the 32 MiB are through."""
     reserved = socket.create_server(("127.0.0.1", 0))
+    reserved.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # accepted ones inherit it
     address = reserved.getsockname()[:2]
     done = threading.Event()
 
     def trickle(channel: wire.Channel) -> None:
         channel.recv_message(wire.Deadline(TIMEOUT))
         channel.sock.settimeout(1.0)
-        while not done.wait(0.2):
+        while not done.wait(0.01):
             with contextlib.suppress(OSError):
-                if not channel.sock.recv(1 << 20):
+                if not channel.sock.recv(48 << 10):
                     return
 
     listener = wire.Listener(
@@ -190,7 +192,7 @@ def test_a_trickling_buddy_is_bounded_overall_while_progress_is_reported():
     assert "within 3 s" in failed
     assert 2.5 < took < 6, took
     assert after[0] > before[0]  # bytes moved, and said so
-    assert after[1] > before[1] + 2
+    assert after[1] > before[1] + 2, (before, after)  # more than once
 
 
 STOPPABLE = textwrap.dedent(
