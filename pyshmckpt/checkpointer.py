@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import errno
 import itertools
 import logging
 import os
@@ -30,16 +29,16 @@ from .errors import (
     CommitError,
     ConfigError,
     ConfigTypeError,
+    NotSupportedError,
     StagingTimeoutError,
     WriterError,
     WriterStartTimeoutError,
     WriteTimeoutError,
-    from_os_error,
-    os_error,
 )
 from .shm.native import Segment
 from .staging import SlotStager, guards
-from .storage import commit, liveness, locations, shared_commit, tree_codec, writer_spec
+from .storage import commit, liveness, locations, roots, tree_codec, writer_spec
+from .storage.object_store import ObjectPath
 from .tiers import holding, loading, records, replication, takeover, topology
 from .tiers.records import HoldInfo
 from .tiers.replication import ReplicaConfig
@@ -115,10 +114,21 @@ def _clean_exit(error: BaseException) -> bool:
     return isinstance(error, SystemExit) and error.code in (None, 0)
 
 
+def _log_failure(what: str) -> Any:
+    """A done-callback that logs a background call's failure (nothing waits for its result)."""
+
+    def done(future: Future[Any]) -> None:
+        exc = future.exception()
+        if exc is not None:
+            logger.warning("%s failed: %s", what, exc)
+
+    return done
+
+
 class _Request(NamedTuple):
     """A save as `save` was asked for it: where, whether to disk, replacing, and when."""
 
-    target: Path
+    target: Path | ObjectPath
     persist: bool
     overwrite: bool
     staged_ns: int
@@ -280,8 +290,20 @@ class Checkpointer:
             isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
         ):
             raise ConfigError(f"keep_last must be a positive int or None, not {keep_last!r}")
-        self.root = locations.local_path(root, "checkpoint root")
+        self.root = locations.location(root, "checkpoint root")
+        self._root = roots.root_of(self.root)
         spec = writer_spec(writer)
+        in_objects = isinstance(self.root, ObjectPath)
+        if in_objects and spec.name != "safetensors":
+            raise NotSupportedError(
+                f"the {spec.name} writer writes files on a disk; object storage takes the "
+                "safetensors writer"
+            )
+        if in_objects and (hold or replicate):
+            raise NotSupportedError(
+                "hold and replicate keep checkpoints in this node's memory for a root on a "
+                "filesystem; object storage is a root of its own (hold=False)"
+            )
         self._allow_pickle = bool(allow_pickle)
         self.rank, self.world_size = _rank_and_world_size(rank, world_size)
         if (
@@ -294,18 +316,12 @@ class Checkpointer:
             keep_last=keep_last, world_size=self.world_size, barrier_timeout=barrier_timeout,
             allow_pickle=self._allow_pickle, direct_io=direct_io,
         )  # fmt: skip
-        try:
-            if not (self.root.exists() or self.root.is_symlink()):
-                self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise from_os_error(exc, f"cannot create checkpoint root {self.root}") from None
-        commit.check_root(self.root)
-        if self.rank == 0:
-            commit.clean_leftovers(self.root)  # other ranks' temporaries may be in progress
+        self._root.open(self.rank)
+        committed = self._root.committed()  # object storage: the bucket and credentials checked
         self._run_id = _run_id(run_id, self.world_size, process_group)
         self._attempts = itertools.count(1)
         if hold is None:  # holding the newest checkpoint needs a second slot to stage into
-            hold = isinstance(slots, int) and slots >= 2
+            hold = isinstance(slots, int) and slots >= 2 and not in_objects
         elif hold and isinstance(slots, int) and slots < 2:
             raise ConfigError("hold=True needs slots >= 2: one holds the newest checkpoint")
         self._hold = bool(hold)
@@ -318,7 +334,9 @@ class Checkpointer:
         ):
             raise ConfigError(f"hold_timeout must be a number >= 0, not {hold_timeout!r}")
         self._hold_timeout = float(hold_timeout)
-        self._real_root = os.path.realpath(self.root)
+        self._real_root = (
+            os.path.realpath(self.root) if isinstance(self.root, Path) else str(self.root)
+        )
         self._agent = _processes.launcher()
         if replicate and not self._hold:
             raise ConfigError("replicate=True replicates the checkpoint held in memory: needs hold")
@@ -339,7 +357,7 @@ class Checkpointer:
             liveness.Heartbeat(
                 liveness.beat_path(self.root, self._run_id, self.rank), remove_at_exit=False
             )
-            if self.world_size > 1
+            if self.world_size > 1 and isinstance(self.root, Path)
             else None
         )
         self._replica: ReplicaConfig | None = None
@@ -355,7 +373,7 @@ class Checkpointer:
         # Checkpointer's first slot: no allocation, no copy, and it stays loadable.
         taken = (
             takeover.claim(self.root, self.rank, capacity_bytes, collective=self.world_size > 1)
-            if self._hold
+            if self._hold and isinstance(self.root, Path)
             else None
         )
         self._taken: dict[str, Any] | None = None
@@ -374,10 +392,14 @@ class Checkpointer:
             if self._heartbeat is not None:
                 self._heartbeat.stop(remove=True)
             raise
-        self._pending: list[Future[Path]] = []
+        self._pending: list[Future[Path | ObjectPath]] = []
         self._saved = False
         self._lock = threading.Lock()
-        self._names = itertools.count(1 + max((seq for seq, _ in self._committed()), default=0))
+        self._names = itertools.count(1 + max((seq for seq, _ in committed), default=0))
+        if self.rank == 0 and self._root.cleaner is not None:
+            self._process.call(self._root.cleaner, root=str(self.root)).add_done_callback(
+                _log_failure("removing leftovers of interrupted saves")
+            )
         # Finalizers run newest first at interpreter exit: without this one (made last), the
         # stager's would unlink the slots before the process's finished the saves reading them.
         self._finalizer = weakref.finalize(
@@ -444,7 +466,7 @@ class Checkpointer:
         )  # fmt: skip
 
     def _committed(self) -> list[tuple[int, str]]:
-        return commit.committed(self.root) if self.root.is_dir() else []
+        return self._root.committed()
 
     def save(
         self,
@@ -453,7 +475,7 @@ class Checkpointer:
         *,
         overwrite: bool = False,
         persist: bool = True,
-    ) -> Future[Path]:
+    ) -> Future[Path | ObjectPath]:
         """Stage `state_dict` and persist it as ``root/name`` in the background.
 
         Blocks while the state is copied into a free slot (and, when every slot still holds a
@@ -513,21 +535,18 @@ class Checkpointer:
         """
         if self._closed:
             raise ClosedError("Checkpointer is closed")
-        commit.check_root(self.root)
+        self._root.check()
         if name is None:
             name = f"step-{next(self._names):08d}"
-            while (self.root / name).exists():
+            while self._root.taken(name):
                 name = f"step-{next(self._names):08d}"
         commit.check_name(name)
+        self._root.check_target(name, overwrite)
         target = self.root / name
-        if target.exists() or target.is_symlink():
-            if not overwrite:
-                raise os_error(errno.EEXIST, f"checkpoint {target} already exists", str(target))
-            commit.check_replaceable(target)
         if not persist and not self._hold:
             raise ConfigError("save(persist=False) keeps a checkpoint in memory: needs hold=True")
         request = _Request(target, persist, overwrite, time.time_ns())
-        result: Future[Path] = Future()
+        result: Future[Path | ObjectPath] = Future()
         if not self._overlap:
             staged = self._stager.stage(state_dict)
             self._hand_over(staged, result, request)
@@ -549,7 +568,7 @@ class Checkpointer:
         return result
 
     def _stage_and_hand_over(
-        self, copy: Any, staging: Future[None], result: Future[Path], request: _Request
+        self, copy: Any, staging: Future[None], result: Future[Path | ObjectPath], request: _Request
     ) -> None:
         """An overlapped save, on the staging thread: the copies, then the hand-over; `staging`
         resolves once both are done (the state may change, and the save outlives this
@@ -564,7 +583,7 @@ class Checkpointer:
             return
         staging.set_result(None)
 
-    def _hand_over(self, staged: Any, result: Future[Path], request: _Request) -> None:
+    def _hand_over(self, staged: Any, result: Future[Path | ObjectPath], request: _Request) -> None:
         """Hand a staged save to the writer; `result` resolves with it."""
         target, persist, overwrite, staged_ns = request
         name = target.name
@@ -593,8 +612,8 @@ class Checkpointer:
                 if attempt is not None and not isinstance(exc, (CommitError, WriterError)):
                     # The writer never finished its part (it died, was killed or stopped): the
                     # other ranks stop waiting for it now rather than at the barrier timeout.
-                    shared_commit.abandon(
-                        self.root, name, attempt, self.rank, self.world_size,
+                    self._root.abandon(
+                        name, attempt, self.rank, self.world_size,
                         f"rank {self.rank}'s write failed: {type(exc).__name__}: {exc}",
                     )  # fmt: skip
                 result.set_exception(exc)
@@ -639,7 +658,7 @@ class Checkpointer:
                     f"the previous save was not staged within {self._stager.staging_bound:g} s"
                 )
 
-    def wait(self, timeout: float | None = None) -> list[Path]:
+    def wait(self, timeout: float | None = None) -> list[Path | ObjectPath]:
         """Wait for the saves pending at the latest `save` and for that save.
 
         Args:
@@ -703,14 +722,14 @@ class Checkpointer:
         """
         return self._process.pid
 
-    def latest(self) -> Path | None:
+    def latest(self) -> Path | ObjectPath | None:
         """The newest committed checkpoint.
 
         Returns:
             What ``root/latest`` points at (with ``link_latest=False``, the newest committed
                 checkpoint by commit sequence), or None when there is none.
         """
-        return commit.latest(self.root)
+        return self._root.latest()
 
     def load(
         self,
@@ -783,7 +802,7 @@ class Checkpointer:
         if self._closed:
             raise ClosedError("Checkpointer is closed")
         commit.check_name(name)
-        return self._process.call(commit.remove_checkpoint, root=str(self.root), name=name)
+        return self._process.call(self._root.remover, root=str(self.root), name=name)
 
     def close(self, abort: bool = False) -> None:
         """Finish (or abandon) the pending saves, stop the writer process, free the slots.

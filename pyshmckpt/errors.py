@@ -279,6 +279,61 @@ def from_os_error(exc: OSError, context: str) -> PyshmckptOSError:
     return converted
 
 
+# -- object storage --------------------------------------------------------------------------
+
+
+class ObjectStoreError(PyshmckptError, OSError):
+    """Raised when object storage (S3 or a service speaking its API) fails a request for good:
+    after its retries (throttling and server errors are retried with backoff), or at once for
+    an answer no retry changes. The message names the URL, the service's error code and HTTP
+    status; the same error reaches the trainer as itself when the writer process met it.
+
+    Derives from `PyshmckptError` and `OSError`.
+
+    Attributes:
+        url: the object or prefix the request was about (``s3://bucket/key``).
+        code: the service's error code (``SlowDown``, ``NoSuchBucket`` ...), or the client's
+            error class name when no answer came.
+        status: the HTTP status of the answer (None when none came).
+    """
+
+    def __init__(self, url: str, message: str, code: str = "", status: int | None = None) -> None:
+        OSError.__init__(self, f"{url}: {message}")
+        self.url = url
+        self.code = code
+        self.status = status
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles (across processes) with its arguments
+        message = str(self.args[0])[len(self.url) + 2 :]
+        return type(self), (self.url, message, self.code, self.status), self.__dict__
+
+
+class ObjectStoreAccessError(ObjectStoreError, PermissionError):
+    """Raised when object storage refuses the credentials or the request: no credentials
+    found, a wrong key or signature, an expired token, access denied (HTTP 403).
+
+    Derives from `ObjectStoreError` and `PermissionError`.
+    """
+
+
+class BucketNotFoundError(ObjectStoreError, FileNotFoundError):
+    """Raised when the bucket of a checkpoint location does not exist (``NoSuchBucket``).
+
+    Derives from `ObjectStoreError` and `FileNotFoundError`.
+    """
+
+
+class ObjectStoreUnavailableError(ObjectStoreError, ConnectionError):
+    """Raised when object storage cannot be reached, or keeps throttling or failing (HTTP 5xx)
+    after every retry (``PYSHMCKPT_OBJECT_ATTEMPTS``).
+
+    Derives from `ObjectStoreError` and `ConnectionError`.
+    """
+
+
 # -- the writer process ----------------------------------------------------------------------
 
 

@@ -163,3 +163,29 @@ def replica_encrypt() -> bool:
     if raw in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"PYSHMCKPT_REPLICA_ENCRYPT={raw!r} must be 0 or 1")
+
+
+def object_part_size() -> int:
+    """PYSHMCKPT_OBJECT_PART_SIZE: bytes per part of a multipart upload and per ranged read from
+    object storage (default 32 MiB; S3 takes parts of at least 5 MiB but the last; larger where
+    a file would need more than 10,000 parts)."""
+    return _env_int("PYSHMCKPT_OBJECT_PART_SIZE", 32 * _MIB, 64 << 10)
+
+
+def object_concurrency() -> int:
+    """PYSHMCKPT_OBJECT_CONCURRENCY: parts uploaded, or ranges read, at once per file (default 16)."""
+    return _env_int("PYSHMCKPT_OBJECT_CONCURRENCY", 16, 1)
+
+
+def object_attempts() -> int:
+    """PYSHMCKPT_OBJECT_ATTEMPTS: tries of one request to object storage, the first included,
+    when the service throttles or fails (5xx), with exponential backoff and jitter (default 8)."""
+    return _env_int("PYSHMCKPT_OBJECT_ATTEMPTS", 8, 1)
+
+
+def object_abandoned_after() -> float:
+    """PYSHMCKPT_OBJECT_ABANDONED_AFTER: seconds after its start that an unfinished multipart
+    upload, or the objects of a checkpoint that was never committed, count as abandoned and are
+    removed when a root is opened (default 86400: a day, far longer than any upload a live
+    writer may still be finishing)."""
+    return _env_float("PYSHMCKPT_OBJECT_ABANDONED_AFTER", 86400.0, 0.0)

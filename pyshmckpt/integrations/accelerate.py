@@ -58,6 +58,7 @@ from ..errors import (
     os_error,
 )
 from ..storage import commit, locations
+from ..storage.object_store import ObjectPath
 from ..storage.rank_files import ranks
 from ..storage.safetensors_writer import file_names
 from ..tiers import load
@@ -170,15 +171,19 @@ class ShmStateSaver:
             "slots": slots, "allow_pickle": allow_pickle, "direct_io": direct_io,
             "capacity_bytes": capacity_bytes, "config": config, "barrier_timeout": barrier_timeout,
         }  # fmt: skip
-        self._pending: list[Future[Path]] = []  # what wait() waits for
-        self._unsettled: dict[Future[Path], Path] = {}  # saves whose outcome is not recorded yet
+        self._pending: list[Future[Path | ObjectPath]] = []  # what wait() waits for
+        self._unsettled: dict[
+            Future[Path | ObjectPath], Path
+        ] = {}  # saves whose outcome is not recorded yet
         self._failure: BaseException | None = None  # the first failed save not raised yet
         self._lock = threading.Lock()
         self._closed = False
         if project.automatic_checkpoint_naming:
             self._checkpointer_under(Path(project.project_dir) / CHECKPOINTS)
 
-    def save_state(self, output_dir: str | os.PathLike[str] | None = None) -> Future[Path]:
+    def save_state(
+        self, output_dir: str | os.PathLike[str] | None = None
+    ) -> Future[Path | ObjectPath]:
         """Save the accelerator's state as ``accelerator.save_state(output_dir)`` would.
 
         Blocks while the state is gathered and staged (Accelerate's small files are written
@@ -230,7 +235,7 @@ class ShmStateSaver:
             state["optimizers"] = [optimizer.state_dict() for optimizer in accelerator._optimizers]
         future = checkpointer.save(state, name, overwrite=overwrite)
         project.iteration += 1
-        target = checkpointer.root / name
+        target = root / name
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()] + [future]
             self._unsettled[future] = target
@@ -287,7 +292,7 @@ class ShmStateSaver:
         logger.info("loaded the accelerator's state from %s", directory)
         return directory
 
-    def wait(self, timeout: float | None = None) -> list[Path]:
+    def wait(self, timeout: float | None = None) -> list[Path | ObjectPath]:
         """Wait for the last save and those pending then; returns their paths.
 
         Args:
@@ -368,7 +373,7 @@ class ShmStateSaver:
         )
         return self._checkpointer
 
-    def _settle(self, future: Future[Path]) -> None:
+    def _settle(self, future: Future[Path | ObjectPath]) -> None:
         """Record the outcome of a finished save once (its done-callback, or whoever sees it
         finished first): a failure is logged, and kept to be raised if it is the first."""
         with self._lock:

@@ -40,6 +40,7 @@ from ..errors import (
     from_os_error,
 )
 from ..storage import commit, locations, writer_spec
+from ..storage.object_store import ObjectPath
 from ..tiers import load
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class ShmCheckpointIO(CheckpointIO):
         self._options = {"allow_pickle": True, **checkpointer_options}
         self._write_timeout = float(write_timeout)
         self._checkpointers: dict[Path, Checkpointer] = {}
-        self._pending: dict[Path, Future[Path]] = {}
+        self._pending: dict[Path, Future[Path | ObjectPath]] = {}
         self._failure: BaseException | None = None
         self._lock = threading.Lock()
         self._dirpath = None if dirpath is None else _local_path(dirpath)
@@ -291,7 +292,7 @@ class ShmCheckpointIO(CheckpointIO):
                 self._checkpointers[root] = checkpointer
         return checkpointer
 
-    def _finished(self, target: Path, future: Future[Path]) -> None:
+    def _finished(self, target: Path, future: Future[Path | ObjectPath]) -> None:
         with self._lock:
             if self._pending.get(target) is future:
                 del self._pending[target]

@@ -5,20 +5,45 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import PickleNotAllowedError
 from ..staging.dtensors import ShardInfo
-from . import tree_codec
+from . import locations, object_files, tree_codec
+from .object_store import ObjectPath
 from .rank_files import check_crcs, mapped_rank, tensors_of
+from .safetensors_writer import file_names
 
 
-def verify(path: str | os.PathLike[str], rank: int = 0) -> int:
+@contextlib.contextmanager
+def _mapped(
+    path: str | os.PathLike[str] | ObjectPath, rank: int
+) -> Iterator[tuple[Any, Any, Any, memoryview]]:
+    """`rank_files.mapped_rank`, for object storage too (its bytes read into memory)."""
+    where = locations.location(path, "checkpoint path")
+    if not isinstance(where, ObjectPath):
+        with mapped_rank(where, rank) as opened:
+            yield opened
+        return
+    checkpoint, record = object_files.resolve(where)
+    _, st_path, described, header, mapped, f = object_files.open_rank(checkpoint, record, rank)
+    f.close()
+    view = memoryview(mapped)
+    try:
+        yield st_path, described, header, view
+    finally:
+        view.release()
+        mapped.close()
+
+
+def verify(path: str | os.PathLike[str] | ObjectPath, rank: int = 0) -> int:
     """Check a checkpoint without loading it: every checksum, every tensor inside its file
     entry, and the structure (pickled parts are checked for presence, never unpickled).
 
     Args:
-        path: a checkpoint directory, a file in it, or a checkpoint root (its newest).
+        path: a checkpoint directory, a file in it, or a checkpoint root (its newest); or a
+            checkpoint or root in object storage (``s3://bucket/prefix``).
         rank: whose files to check.
 
     Returns:
@@ -27,8 +52,10 @@ def verify(path: str | os.PathLike[str], rank: int = 0) -> int:
     Raises:
         CheckpointCorruptError: a file is missing, damaged or does not match its manifest.
         PyshmckptOSError: a file exists but cannot be opened or mapped.
+        CheckpointNotFoundError: nothing is committed at an object storage location.
+        ObjectStoreError: (a subclass) object storage failed or refused a request.
     """
-    with mapped_rank(path, rank) as (st_path, described, header, view):
+    with _mapped(path, rank) as (st_path, described, header, view):
         check_crcs(st_path, view, header, described.get("entries"))
         tensors = tensors_of(st_path, view, header, described.get("tensors"))
         # The structure too; pickled parts are only checked for presence, never unpickled.
@@ -37,18 +64,19 @@ def verify(path: str | os.PathLike[str], rank: int = 0) -> int:
                 described.get("tree"),
                 tensors,
                 allow_pickle=False,
-                where=str(st_path.with_suffix(".json")),
+                where=str(st_path.parent / file_names(rank)[1]),
             )
         count = len(tensors)
         del tensors  # they view the map, which is closed next
     return count
 
 
-def describe(path: str | os.PathLike[str], rank: int = 0) -> list[dict[str, Any]]:
+def describe(path: str | os.PathLike[str] | ObjectPath, rank: int = 0) -> list[dict[str, Any]]:
     """What a rank's file holds, one row per tensor (the CLI's `describe`).
 
     Args:
-        path: a checkpoint directory, a file in it, or a checkpoint root (its newest).
+        path: a checkpoint directory, a file in it, or a checkpoint root (its newest); or a
+            checkpoint or root in object storage (``s3://bucket/prefix``).
         rank: whose file to describe.
 
     Returns:
@@ -59,7 +87,7 @@ def describe(path: str | os.PathLike[str], rank: int = 0) -> list[dict[str, Any]
         CheckpointCorruptError: a file is missing or a description is malformed.
         PyshmckptOSError: a file exists but cannot be opened or mapped.
     """
-    with mapped_rank(path, rank) as (st_path, described, header, view):
+    with _mapped(path, rank) as (st_path, described, header, view):
         tensors_of(st_path, view, header, described.get("tensors"))  # validates every description
     return [
         {

@@ -1,4 +1,5 @@
-"""Where checkpoints go: a local (or shared) filesystem path. A URL is never taken for one.
+"""Where checkpoints go: a local (or shared) filesystem path, or object storage (``s3://``,
+`object_store`). A URL is never taken for a local path.
 
 ``Path("s3://bucket/run")`` is the relative path ``s3:/bucket/run``: written there, checkpoints
 would land in a directory named ``s3:`` of the current directory while the caller believes them
@@ -17,6 +18,8 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from ..errors import ConfigTypeError, UnsupportedLocationError
+from . import object_store
+from .object_store import ObjectPath
 
 # A URL's scheme (RFC 3986) and the slash that follows it: "s3://b/k", or "s3:/b/k" once a Path
 # collapsed the double slash.
@@ -30,6 +33,22 @@ _OBJECT_STORES = {
     "abfs": "Azure Data Lake Storage",
     "abfss": "Azure Data Lake Storage",
 }
+
+
+def location(value: Any, what: str = "checkpoint location") -> Path | ObjectPath:
+    """`value` as a local path, or as an `ObjectPath` for a URL of object storage pyshmckpt
+    reads and writes (``s3://``; see `object_store`).
+
+    Raises:
+        UnsupportedLocationError: another URL, an invalid bucket or key, or object storage
+            without its extra installed.
+        ConfigTypeError: `value` is neither a str nor path-like.
+    """
+    if isinstance(value, ObjectPath):
+        return value
+    if isinstance(value, str) and object_store.is_url(value):
+        return object_store.parse(value)
+    return local_path(value, what)
 
 
 def local_path(value: Any, what: str = "checkpoint location") -> Path:
@@ -60,11 +79,20 @@ def local_path(value: Any, what: str = "checkpoint location") -> Path:
             )
         return Path(unquote(parts.path))
     service = _OBJECT_STORES.get(scheme)
-    why = (
-        f"object storage ({service}) is not supported: a {what} is a directory on a local or "
-        "shared filesystem; copy checkpoints to object storage with the service's own tools"
-        if service is not None
-        else f"'{scheme}:' URLs are not supported: a {what} is a directory on a local or shared "
-        "filesystem"
-    )
+    if scheme in object_store.SCHEMES:
+        why = (
+            f"a {what} here is a directory on a local or shared filesystem; object storage "
+            "(s3://) is a root of a Checkpointer (or its mirror) and a path of load, verify "
+            "and inspect"
+        )
+    elif service is not None:
+        why = (
+            f"{service} is not supported: pyshmckpt writes object storage through the S3 API "
+            "(s3://, and AWS_ENDPOINT_URL for another service that speaks it)"
+        )
+    else:
+        why = (
+            f"'{scheme}:' URLs are not supported: a {what} is a directory on a local or shared "
+            "filesystem, or s3://bucket/prefix"
+        )
     raise UnsupportedLocationError(text, why)

@@ -7,6 +7,7 @@ import contextlib
 import copy
 import importlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -50,9 +51,11 @@ def load_opened(
     into: Any,
     mmap: bool | None,
     cupy_as: str,
+    others: tuple[list[int], Callable[[int], OpenedRank]] | None = None,
 ) -> Any:
     """Load one rank's opened files (see `pyshmckpt.load`; from memory when `memory`: a held copy
-    holds this rank's shards only)."""
+    holds this rank's shards only). `others`: the checkpoint's ranks and how to open another
+    rank's files, for resharding (None: the files beside `opened`'s, on a filesystem)."""
     with opened.file:
         directory = opened.json_path.parent
         if into is not None and (_sharded(opened.described) or resharding.holds_dtensors(into)):
@@ -60,7 +63,9 @@ def load_opened(
                 _shards_into(opened, into, rank, verify=verify, allow_pickle=allow_pickle)
                 logger.debug("loaded rank %d's shards from memory into the target", rank)
             else:
-                _reshard_into(opened, into, rank, verify=verify, allow_pickle=allow_pickle)
+                _reshard_into(
+                    opened, into, rank, verify=verify, allow_pickle=allow_pickle, others=others
+                )
             return into
         if into is not None:
             _load_into(opened, into, rank, verify=verify, allow_pickle=allow_pickle)
@@ -213,11 +218,12 @@ def _reshard_into(
     *,
     verify: bool,
     allow_pickle: bool,
+    others: tuple[list[int], Callable[[int], OpenedRank]] | None,
 ) -> None:
     """Fill `into` (DTensors on any mesh, or plain tensors) from every rank's shards; `opened`
-    is rank `rank`'s files, already open."""
+    is rank `rank`'s files, already open; `others` as for `load_opened`."""
     directory = opened.json_path.parent
-    saved = ranks(directory)
+    saved, open_other = others if others is not None else (ranks(directory), _beside(directory))
     if rank not in saved:
         raise CheckpointCorruptError(
             str(directory), f"rank {rank} is not among the checkpoint's ranks {saved}"
@@ -227,11 +233,15 @@ def _reshard_into(
         if r == rank:
             files.append(_rank_file(opened, r, allow_pickle))
             continue
-        other = open_rank(directory, r)
+        other = open_other(r)
         with other.file:  # the file map stays; the descriptor is not needed
             files.append(_rank_file(other, r, allow_pickle))
     resharding.fill(into, files, saved.index(rank), verify, str(directory))
     logger.debug("resharded %s (%d ranks) into the target state dict", directory, len(saved))
+
+
+def _beside(directory: Path) -> Callable[[int], OpenedRank]:
+    return lambda r: open_rank(directory, r)
 
 
 def _shards_into(

@@ -30,8 +30,18 @@ from ..errors import NotSupportedError
 from ..shm import SlotMapping
 from ..staging import Manifest
 from ..staging.manifest import contiguous_stride
-from . import commit, directory_commit, file_output, progress, tree_codec
+from . import (
+    commit,
+    directory_commit,
+    file_output,
+    object_commit,
+    object_store,
+    object_upload,
+    progress,
+    tree_codec,
+)
 from .entries import create_file, open_new_file
+from .object_store import ObjectPath
 from .safetensors_header import NAME_TO_CODE, HeaderEntry, build_header, code_itemsize
 
 logger = logging.getLogger(__name__)
@@ -227,6 +237,22 @@ class SafetensorsWriter:
 
     def write_slot(self, path: str, slot: SlotMapping, manifest: Manifest, **kwargs: Any) -> None:
         tree = tree_codec.encode(manifest.tree, allow_pickle=self.allow_pickle)
+        if object_store.is_url(str(path)):
+            object_commit.save(
+                object_store.parse(str(path)),
+                lambda target: self._upload_files(
+                    target, slot, manifest, tree, kwargs.get("staged_ns")
+                ),
+                self.keep_last,
+                files=file_names(self.rank),
+                rank=self.rank,
+                world_size=self.world_size,
+                attempt=kwargs.get("attempt"),
+                barrier_timeout=self.barrier_timeout,
+                replace=bool(kwargs.get("replace", False)),
+                link_latest=bool(kwargs.get("link_latest", True)),
+            )
+            return
         directory_commit.commit_directory(
             path,
             lambda temp: self._write_files(temp, slot, manifest, tree, kwargs.get("staged_ns")),
@@ -292,6 +318,16 @@ class SafetensorsWriter:
             finally:
                 view.release()
             crcs = checksums.result().tolist()
+        json_path = directory / json_name
+        with open_new_file(json_path) as f:
+            f.write(self._described(plan, crcs, tree, staged_ns))
+            f.flush()
+            os.fsync(f.fileno())
+        return []  # both files are fsynced already
+
+    def _described(self, plan: FilePlan, crcs: list[int], tree: Any, staged_ns: Any) -> bytes:
+        """The rank's JSON manifest."""
+        st_name = file_names(self.rank)[0]
         described = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -304,12 +340,35 @@ class SafetensorsWriter:
         }
         if isinstance(staged_ns, int):  # when the save was staged: restore compares it
             described["staged_ns"] = staged_ns
-        json_path = directory / json_name
-        with open_new_file(json_path) as f:
-            f.write(json.dumps(described, separators=(",", ":")).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        return []  # both files are fsynced already
+        return json.dumps(described, separators=(",", ":")).encode()
+
+    def _upload_files(
+        self, target: ObjectPath, slot: SlotMapping, manifest: Manifest, tree: Any, staged_ns: Any
+    ) -> dict[str, dict[str, Any]]:
+        """Upload the rank's files as objects under `target`: the data straight from the slot
+        (its image, so the parts are views of the slot but the first, which holds the header),
+        then the manifest. Returns the objects: name -> {"etag", "size"}."""
+        plan = plan_file(manifest, mirror_slot=True)
+        ranges = np.array(plan.sources, dtype=np.uint64).reshape(-1, 2)
+        st_name, json_name = file_names(self.rank)
+        metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION)}
+        header = build_header(plan.entries, metadata)
+        view = slot.memoryview()
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyshmckpt-crc") as pool:
+            checksums = pool.submit(slot.checksums, ranges)
+            try:
+                data = view[: manifest.size]
+                etag, size = object_upload.upload(target / st_name, [memoryview(header), data])
+                data.release()
+            finally:
+                view.release()
+            crcs = checksums.result().tolist()
+        described = self._described(plan, crcs, tree, staged_ns)
+        json_etag = object_store.put(target / json_name, described)
+        return {
+            st_name: {"etag": etag, "size": size},
+            json_name: {"etag": json_etag, "size": len(described)},
+        }
 
 
 # errnos with which a filesystem refuses O_DIRECT (at open or at a write): tmpfs, some network and

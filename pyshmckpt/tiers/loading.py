@@ -3,10 +3,13 @@
 A path that names one checkpoint (its directory or a file of it) is read from disk by `reader`. A
 checkpoint root is restored from wherever its newest checkpoint is (`restore` chooses: this
 node's memory, another node's, or disk) and, in a job of several ranks, agreed on by every rank.
+Object storage (``s3://``) is read through `object_files`: a committed checkpoint, or a root's
+newest, agreed on by every rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -21,14 +24,15 @@ from ..errors import (
     RestoreError,
 )
 from ..staging import guards
-from ..storage import commit, locations, reader
+from ..storage import commit, locations, object_commit, object_files, reader
+from ..storage.object_store import ObjectPath
 from ..storage.rank_files import OpenedRank, checkpoint_dir, open_rank
 from ..storage.safetensors_writer import file_names
 from . import restore
 
 
 def load(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | ObjectPath,
     *,
     map_location: str | torch.device | None = "cpu",
     verify: bool = True,
@@ -147,13 +151,21 @@ def load(
     """
     if cupy_as not in ("cupy", "numpy"):
         raise ConfigError(f"cupy_as must be 'cupy' or 'numpy', not {cupy_as!r}")
-    path = locations.local_path(path, "checkpoint path")
+    where = locations.location(path, "checkpoint path")
     if into is not None:  # never fill tensors an overlapped save of this process still reads
         guards.wait_all("load(into=...)")
     kwargs = {"map_location": map_location, "allow_pickle": allow_pickle, "into": into,
               "mmap": mmap, "cupy_as": cupy_as}  # fmt: skip
     if rank is not None:
         rank = restore.files_rank(rank)
+    if isinstance(where, ObjectPath):
+        try:
+            return _load_object(where, rank, source, process_group, verify, kwargs)
+        except CheckpointNotFoundError:
+            if missing_ok:
+                return None
+            raise
+    path = where
     try:
         if source in restore.SOURCES and source != "disk" and restore.agreeing(path):
             return _load_agreed(path, source, process_group, verify, kwargs, rank)
@@ -173,6 +185,71 @@ def load(
             raise
         restore.unusable(rank, str(exc))
     return reader.load_opened(open_rank(path, rank), rank, verify=verify, memory=False, **kwargs)
+
+
+def _load_object(
+    path: ObjectPath,
+    rank: int | None,
+    source: str,
+    process_group: Any,
+    verify: bool,
+    kwargs: dict[str, Any],
+) -> Any:
+    """`load` from object storage: a committed checkpoint, or a root's newest, agreed across
+    ranks (rank 0 resolves it, the others take its answer) where torch.distributed runs on
+    several ranks."""
+    if source not in restore.SOURCES:
+        raise ConfigError(f"source must be one of {restore.SOURCES}, not {source!r}")
+    if source == "memory":
+        raise ConfigError(
+            "source='memory' needs a checkpoint root on this node, not object storage"
+        )
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if distributed:
+        checkpoint, record = _agree_object(path, process_group)
+    else:
+        checkpoint, record = object_files.resolve(path)
+    saved = object_files.ranks(record)
+    used = rank if rank is not None else (me if me in saved else 0)
+    if kwargs["mmap"] is None and kwargs["into"] is None:
+        kwargs = {**kwargs, "mmap": True}  # tensors view the memory the bytes were read into
+    opened = object_files.open_rank(checkpoint, record, used)
+    return reader.load_opened(
+        opened, used, verify=verify, memory=False,
+        others=(saved, lambda r: object_files.open_rank(checkpoint, record, r)), **kwargs,
+    )  # fmt: skip
+
+
+def _agree_object(path: ObjectPath, process_group: Any) -> tuple[ObjectPath, dict[str, Any]]:
+    """Rank 0 resolves `path`; every rank takes its checkpoint (a commit between two ranks'
+    looks never splits them)."""
+    import torch.distributed as dist
+
+    group = process_group if process_group is not None else restore.gloo_group()
+    try:
+        answer: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                checkpoint, _ = object_files.resolve(path)
+                answer = [("found", checkpoint.key)]
+            except PyshmckptError as exc:
+                answer = [("failed", exc)]
+        dist.broadcast_object_list(answer, src=0, group=group)
+    finally:
+        if process_group is None:
+            dist.destroy_process_group(group)
+        group = None
+    kind, value = answer[0]
+    if kind == "failed":
+        raise value
+    checkpoint = dataclasses.replace(path, key=value)
+    record = object_commit.record_of(checkpoint)
+    if record is None:
+        raise CheckpointNotFoundError(str(checkpoint), "removed before every rank could read it")
+    return checkpoint, record
 
 
 def _load_agreed(
