@@ -32,9 +32,13 @@ from .errors import (
     CudaUnavailableError,
     CupyUnavailableError,
     ExtensionMissingError,
+    BucketNotFoundError,
     ManifestIndexError,
     MemoryTierWarning,
     NotSupportedError,
+    ObjectStoreAccessError,
+    ObjectStoreError,
+    ObjectStoreUnavailableError,
     PathExistsError,
     PathNotADirectoryError,
     PathNotFoundError,
@@ -82,6 +86,7 @@ if TYPE_CHECKING:
     )
     from .staging import Manifest, ShmStager, StagedHandle, TensorEntry
     from .storage import verify
+    from .storage.object_store import ObjectPath
     from .tiers import load
     from .transport import CheckpointProcess, CheckpointProcessConfig
 
@@ -105,6 +110,7 @@ __getattr__, __dir__ = exports(
         "TensorEntry": "staging",
         "load": "tiers",
         "verify": "storage",
+        "ObjectPath": "storage.object_store",
         "CheckpointProcess": "transport",
         "CheckpointProcessConfig": "transport",
     },
@@ -118,6 +124,7 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 __all__ = [
     "AccessDeniedError",
     "Arena",
+    "BucketNotFoundError",
     "CapacityError",
     "CheckpointAbortedError",
     "CheckpointCorruptError",
@@ -141,6 +148,10 @@ __all__ = [
     "Manifest",
     "ManifestIndexError",
     "NotSupportedError",
+    "ObjectPath",
+    "ObjectStoreAccessError",
+    "ObjectStoreError",
+    "ObjectStoreUnavailableError",
     "UnsupportedLocationError",
     "PathExistsError",
     "PathNotADirectoryError",

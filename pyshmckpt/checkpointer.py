@@ -536,12 +536,13 @@ class Checkpointer:
         if self._closed:
             raise ClosedError("Checkpointer is closed")
         self._root.check()
+        chosen = name is not None
         if name is None:
             name = f"step-{next(self._names):08d}"
             while self._root.taken(name):
                 name = f"step-{next(self._names):08d}"
         commit.check_name(name)
-        self._root.check_target(name, overwrite)
+        self._root.check_target(name, overwrite, chosen)
         target = self.root / name
         if not persist and not self._hold:
             raise ConfigError("save(persist=False) keeps a checkpoint in memory: needs hold=True")

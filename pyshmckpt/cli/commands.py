@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import CheckpointCorruptError, NotSupportedError
+from ..errors import CheckpointCorruptError, NotSupportedError, ObjectStoreError
 from ..shm import stale
 
 
@@ -57,16 +57,18 @@ def _checked(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
         except NotSupportedError as exc:
             print(f"NOT SUPPORTED: {exc}", file=sys.stderr)
             return 1
+        except ObjectStoreError as exc:
+            print(f"OBJECT STORAGE: {exc}", file=sys.stderr)
+            return 1
 
     return wrapped
 
 
 @_checked
 def _verify(args: argparse.Namespace) -> int:
-    from ..storage.inspection import verify
-    from ..storage.rank_files import ranks
+    from ..storage.inspection import saved_ranks, verify
 
-    checked = [args.rank] if args.rank is not None else ranks(args.path)
+    checked = [args.rank] if args.rank is not None else saved_ranks(args.path)
     counts = [verify(args.path, rank=rank) for rank in checked]
     where = f"rank {checked[0]}" if len(checked) == 1 else f"{len(checked)} ranks"
     print(f"OK: {args.path}: {sum(counts)} tensors ({where}), every checksum matches")
@@ -108,19 +110,38 @@ def _print_tiers(root: str) -> bool:
     return bool(on_disk)
 
 
+def _print_stored(url: str) -> bool:
+    """The committed checkpoints of a root in object storage (none for a checkpoint's own URL);
+    False when the URL holds nothing committed."""
+    from ..storage import object_commit, object_store
+
+    where = object_store.parse(url)
+    if object_commit.record_of(where) is not None:
+        return True
+    stored = [name for _, name in object_commit.committed(where)]
+    for name in stored:
+        print(f"in storage {name}")
+    if stored:
+        print()
+    return bool(stored)
+
+
 @_checked
 def _inspect(args: argparse.Namespace) -> int:
-    from ..storage.inspection import describe
-    from ..storage.rank_files import ranks
+    from ..storage import object_store
+    from ..storage.inspection import describe, saved_ranks
     from ..tiers.restore import is_root
 
-    if is_root(args.path) and not _print_tiers(args.path):
+    if object_store.is_url(args.path):
+        if not _print_stored(args.path):
+            return 0  # nothing committed to describe
+    elif is_root(args.path) and not _print_tiers(args.path):
         return 0  # nothing on disk to describe
 
     if args.rank is not None:
         _print_rows(describe(args.path, rank=args.rank))
         return 0
-    per_rank = {rank: describe(args.path, rank=rank) for rank in ranks(args.path)}
+    per_rank = {rank: describe(args.path, rank=rank) for rank in saved_ranks(args.path)}
     if not any(row["dtensor"] is not None for rows in per_rank.values() for row in rows):
         _print_rows(per_rank[min(per_rank)])  # nothing sharded: every rank is read alike
         return 0
@@ -252,7 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify = sub.add_parser(
         "verify", help="check a checkpoint's checksums and structure (exit 1 if corrupt)"
     )
-    verify.add_argument("path", help="a checkpoint directory, or a root (its latest)")
+    verify.add_argument(
+        "path", help="a checkpoint directory, or a root (its latest); or an s3:// URL of either"
+    )
     verify.add_argument(
         "--rank", type=int, default=None, help="check only this rank (default: every rank)"
     )
@@ -262,7 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="list a checkpoint's tensors, dtypes, shapes and bytes (for a root: first its "
         "checkpoints on disk and held in memory)",
     )
-    inspect.add_argument("path", help="a checkpoint directory, or a root (its latest)")
+    inspect.add_argument(
+        "path", help="a checkpoint directory, or a root (its latest); or an s3:// URL of either"
+    )
     inspect.add_argument(
         "--rank",
         type=int,

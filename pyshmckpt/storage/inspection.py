@@ -12,7 +12,7 @@ from ..errors import PickleNotAllowedError
 from ..staging.dtensors import ShardInfo
 from . import locations, object_files, tree_codec
 from .object_store import ObjectPath
-from .rank_files import check_crcs, mapped_rank, tensors_of
+from .rank_files import check_crcs, mapped_rank, ranks, tensors_of
 from .safetensors_writer import file_names
 
 
@@ -35,6 +35,15 @@ def _mapped(
     finally:
         view.release()
         mapped.close()
+
+
+def saved_ranks(path: str | os.PathLike[str] | ObjectPath) -> list[int]:
+    """The ranks whose files a checkpoint (or a root's newest) holds, on a disk or in object
+    storage (see `rank_files.ranks`)."""
+    where = locations.location(path, "checkpoint path")
+    if isinstance(where, ObjectPath):
+        return object_files.ranks(object_files.resolve(where)[1])
+    return ranks(where)
 
 
 def verify(path: str | os.PathLike[str] | ObjectPath, rank: int = 0) -> int:

@@ -119,17 +119,23 @@ def parse(text: str) -> ObjectPath:
     return ObjectPath(bucket, key, scheme.lower())
 
 
-_clients: dict[int, Any] = {}
+_clients: dict[tuple[Any, ...], Any] = {}
 _clients_lock = threading.Lock()
+# The settings a client is made from: a change of one (another endpoint, other keys) makes another.
+_SETTINGS = (
+    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION",
+    "PYSHMCKPT_OBJECT_ATTEMPTS", "PYSHMCKPT_OBJECT_CONCURRENCY",
+)  # fmt: skip
 
 
 def client() -> Any:
-    """This process's S3 client (thread-safe; one per process, made on first use)."""
-    pid = os.getpid()
+    """This process's S3 client for the current settings (thread-safe, made on first use)."""
+    key = (os.getpid(), *(os.environ.get(name) for name in _SETTINGS))
     with _clients_lock:
-        made = _clients.get(pid)
+        made = _clients.get(key)
         if made is None:
-            made = _clients[pid] = _new_client()
+            made = _clients[key] = _new_client()
         return made
 
 

@@ -43,8 +43,9 @@ class DirectoryRoot:
         """Whether `name` is in use under the root (a new automatic name must not be)."""
         return (self.path / name).exists()
 
-    def check_target(self, name: str, overwrite: bool) -> None:
-        """Raise unless a save may write checkpoint `name` (`overwrite`: may replace it)."""
+    def check_target(self, name: str, overwrite: bool, chosen: bool) -> None:
+        """Raise unless a save may write checkpoint `name` (`overwrite`: may replace it;
+        `chosen`: the caller named it, else it is a new automatic name)."""
         target = self.path / name
         if target.exists() or target.is_symlink():
             if not overwrite:
@@ -81,8 +82,12 @@ class ObjectRoot:
     def taken(self, name: str) -> bool:
         return False
 
-    def check_target(self, name: str, overwrite: bool) -> None:
-        """Found by the writer (`object_commit.save` raises PathExistsError)."""
+    def check_target(self, name: str, overwrite: bool, chosen: bool) -> None:
+        """A name the caller chose is looked up (one request); an automatic one is new (the
+        writer refuses a name taken meanwhile: `object_commit.save`)."""
+        if chosen and not overwrite and object_commit.record_of(self.path / name) is not None:
+            target = self.path / name
+            raise os_error(errno.EEXIST, f"checkpoint {target} already exists", str(target))
 
     def latest(self) -> ObjectPath | None:
         return object_commit.latest(self.path)

@@ -1,0 +1,143 @@
+"""A real S3 API server for the tests (moto in server mode on 127.0.0.1, in this process), and a
+proxy in front of it that throttles, delays or drops requests as a troubled service would.
+
+moto takes parts of any size from 1 KiB (S3 takes 5 MiB), so small states make multipart
+uploads of many parts. The proxy is not a mock of anything: it passes every request it does not
+fault to the server and its answer back, byte for byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import http.server
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+os.environ.setdefault("S3_UPLOAD_PART_MIN_SIZE", "1024")  # read by moto when it is imported
+
+from moto.server import ThreadedMotoServer  # noqa: E402
+
+logging.getLogger("werkzeug").setLevel(logging.ERROR)
+
+SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code><Message>Please '
+    b"reduce your request rate.</Message><RequestId>proxy</RequestId></Error>"
+)
+
+
+class MotoServer:
+    """moto's S3 server on 127.0.0.1; `stop` and `start` again keep the port and the data (the
+    data lives in this process, as a real service's lives on its disks)."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self._server: Any = None
+        self.start()
+
+    def start(self) -> None:
+        for _ in range(50):
+            try:
+                server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+                server.start()
+                break
+            except OSError:  # the old listener's port is not free yet
+                time.sleep(0.1)
+        else:
+            raise RuntimeError(f"moto could not listen on port {self.port} again")
+        self._server = server
+        self.port = server.get_host_and_port()[1]
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class FaultProxy:
+    """An HTTP proxy to `upstream`: answers 503 SlowDown to every `throttle_every`-th request
+    (0: none), waits `delay` seconds before passing each request on, and with `drop` set
+    closes each connection without an answer (a server that went away mid-request)."""
+
+    def __init__(self, upstream: str, *, throttle_every: int = 0, delay: float = 0.0) -> None:
+        self.upstream = upstream.removeprefix("http://")
+        self.throttle_every = throttle_every
+        self.delay = delay
+        self.drop = False
+        self.requests = 0
+        self.throttled = 0
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _relay(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                with proxy._lock:
+                    proxy.requests += 1
+                    throttle = proxy.throttle_every and proxy.requests % proxy.throttle_every == 0
+                    proxy.throttled += bool(throttle)
+                if proxy.delay:
+                    time.sleep(proxy.delay)
+                if proxy.drop:
+                    self.close_connection = True
+                    with contextlib.suppress(OSError):
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if throttle:
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(SLOW_DOWN)))
+                    self.end_headers()
+                    self.wfile.write(SLOW_DOWN)
+                    return
+                upstream = http.client.HTTPConnection(proxy.upstream, timeout=30)
+                try:
+                    headers = {k: v for k, v in self.headers.items()}
+                    upstream.request(self.command, self.path, body=body, headers=headers)
+                    answer = upstream.getresponse()
+                    data = answer.read()
+                except OSError:
+                    self.close_connection = True
+                    with contextlib.suppress(OSError):
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                finally:
+                    upstream.close()
+                self.send_response(answer.status, answer.reason)
+                for key, value in answer.getheaders():
+                    if key.lower() not in ("content-length", "transfer-encoding", "connection"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(10)
