@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from ._lazy import exports
 from .errors import (
     AccessDeniedError,
+    BucketNotFoundError,
     CapacityError,
     CheckpointAbortedError,
     CheckpointCorruptError,
@@ -32,7 +33,6 @@ from .errors import (
     CudaUnavailableError,
     CupyUnavailableError,
     ExtensionMissingError,
-    BucketNotFoundError,
     ManifestIndexError,
     MemoryTierWarning,
     NotSupportedError,

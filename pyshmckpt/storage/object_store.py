@@ -31,6 +31,7 @@ from ..errors import (
     UnsupportedLocationError,
     os_error,
 )
+from . import progress
 
 SCHEMES = ("s3",)
 EXTRA = "python -m pip install 'pyshmckpt[s3]' (boto3)"
@@ -214,11 +215,14 @@ def precondition_failed(exc: BaseException) -> bool:
 
 
 def call(path: ObjectPath, what: str, function: Callable[..., T], **kwargs: Any) -> T:
-    """`function(**kwargs)` of the client, its failures as ObjectStoreErrors about `path`."""
+    """`function(**kwargs)` of the client, its failures as ObjectStoreErrors about `path`. An
+    answer is progress (`progress`): the service is alive and the write moves on."""
     try:
-        return function(**kwargs)
+        answer = function(**kwargs)
     except Exception as exc:
         raise error(path, what, exc) from exc
+    progress.advance()
+    return answer
 
 
 def get(path: ObjectPath, *, limit: int, if_match: str | None = None) -> bytes | None:
@@ -231,11 +235,14 @@ def get(path: ObjectPath, *, limit: int, if_match: str | None = None) -> bytes |
             answer["Body"].close()
             raise ObjectStoreError(str(path), f"{size} bytes: more than the {limit} expected")
         with answer["Body"] as body:
-            return bytes(body.read())
+            data = bytes(body.read())
+        progress.advance()
+        return data
     except ObjectStoreError:
         raise
     except Exception as exc:
         if missing(exc):
+            progress.advance()
             return None
         if precondition_failed(exc):
             raise CheckpointCorruptError(
@@ -258,31 +265,8 @@ def put(path: ObjectPath, data: bytes, *, create_only: bool = False) -> str:
         if create_only and precondition_failed(exc):
             raise os_error(errno.EEXIST, f"{path} exists already", str(path)) from None
         raise error(path, "writing", exc) from exc
+    progress.advance()
     return str(answer.get("ETag", ""))
-
-
-def exists(path: ObjectPath) -> bool:
-    try:
-        client().head_object(Bucket=path.bucket, Key=path.key)
-    except Exception as exc:
-        import botocore.exceptions as bx
-
-        if isinstance(exc, bx.ClientError) and exc.response.get("Error", {}).get("Code") in (
-            "404",
-            "NoSuchKey",
-            "NotFound",
-        ):
-            # A HEAD answers a missing bucket with a bare 404 too: tell the two apart.
-            check_bucket(path)
-            return False
-        raise error(path, "looking up", exc) from exc
-    return True
-
-
-def check_bucket(path: ObjectPath) -> None:
-    """Raise `BucketNotFoundError` (or what else the service says) unless the bucket exists
-    and may be listed."""
-    call(path, "listing the bucket", client().list_objects_v2, Bucket=path.bucket, MaxKeys=1)
 
 
 def listing(path: ObjectPath, *, delimiter: bool = False) -> Iterator[dict[str, Any]]:
@@ -292,6 +276,7 @@ def listing(path: ObjectPath, *, delimiter: bool = False) -> Iterator[dict[str, 
     extra = {"Delimiter": "/"} if delimiter else {}
     try:
         for page in paginator.paginate(Bucket=path.bucket, Prefix=path.prefix, **extra):
+            progress.advance()
             yield from page.get("CommonPrefixes", [])
             yield from page.get("Contents", [])
     except Exception as exc:

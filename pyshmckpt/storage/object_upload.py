@@ -56,9 +56,39 @@ def _cut(pieces: list[memoryview], size: int) -> list[list[memoryview]]:
     return [part for part in parts if part]
 
 
-def _body(views: list[memoryview]) -> Any:
+def _body(views: list[memoryview]) -> memoryview:
     """One part's bytes: the view itself, or (spanning pieces) the few pieces joined."""
-    return views[0] if len(views) == 1 else b"".join(views)
+    return views[0] if len(views) == 1 else memoryview(b"".join(views))
+
+
+class PartBody:
+    """A request body over memory, without a copy: read in slices of the view, and seekable,
+    so that the client can send it again when it retries the request."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._position = 0
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def read(self, size: int | None = -1) -> memoryview:
+        end = (
+            len(self._view)
+            if size is None or size < 0
+            else min(len(self._view), self._position + size)
+        )
+        piece = self._view[self._position : end]
+        self._position = end
+        return piece
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self._position, len(self._view))[whence]
+        self._position = max(0, min(len(self._view), base + offset))
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
 
 
 def upload(path: ObjectPath, pieces: list[memoryview]) -> tuple[str, int]:
@@ -71,7 +101,7 @@ def upload(path: ObjectPath, pieces: list[memoryview]) -> tuple[str, int]:
     total = sum(len(p) for p in pieces)
     size = part_size(total)
     if total <= size:
-        data = _body([p for p in pieces if len(p)] or [memoryview(b"")])
+        data = bytes(_body([p for p in pieces if len(p)] or [memoryview(b"")]))
         etag = object_store.put(path, data)
         progress.advance(total)
         return etag, total
@@ -104,7 +134,8 @@ def _upload_parts(
         crc = checksum(body)
         answer = object_store.call(
             path, f"uploading part {number}", store.upload_part, Bucket=path.bucket,
-            Key=path.key, UploadId=upload_id, PartNumber=number, Body=body, ChecksumCRC32C=crc,
+            Key=path.key, UploadId=upload_id, PartNumber=number, Body=PartBody(body),
+            ChecksumCRC32C=crc,
         )  # fmt: skip
         progress.advance(len(body))
         return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32C": crc}

@@ -11,10 +11,11 @@ import sys
 
 import pytest
 import torch
-from helpers import SAVE_TIMEOUT, assert_same_tree, child_env, opened
 
 import pyshmckpt
 from pyshmckpt.storage import object_commit, object_store
+
+from helpers import SAVE_TIMEOUT, assert_same_tree, child_env, opened
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -23,7 +24,10 @@ def state(step: int) -> dict:
     torch.manual_seed(step)
     return {
         "model": {"w": torch.randn(300, 257), "b": torch.randn(257).to(torch.bfloat16)},
-        "optim": {"step": step, "moments": [torch.randn(1000, dtype=torch.float64), torch.arange(7)]},
+        "optim": {
+            "step": step,
+            "moments": [torch.randn(1000, dtype=torch.float64), torch.arange(7)],
+        },
         "tied": None,
         "lr": 0.5 * step,
     }
@@ -41,9 +45,18 @@ def test_save_load_latest_and_keep_last(bucket):
     keys = bucket.keys("run/")
     assert keys == sorted(
         ["run/latest"]
-        + [f"run/step-0000000{i}/{f}" for i in (3, 4) for f in ("commit.json", "rank0.json", "rank0.safetensors")]
+        + [
+            f"run/step-0000000{i}/{f}"
+            for i in (3, 4)
+            for f in ("commit.json", "rank0.json", "rank0.safetensors")
+        ]
     )
-    assert json.loads(bucket.client.get_object(Bucket=bucket.name, Key="run/latest")["Body"].read())["name"] == "step-00000004"
+    assert (
+        json.loads(bucket.client.get_object(Bucket=bucket.name, Key="run/latest")["Body"].read())[
+            "name"
+        ]
+        == "step-00000004"
+    )
     assert_same_tree(states[-1], pyshmckpt.load(url))
     assert_same_tree(states[2], pyshmckpt.load(f"{url}/step-00000003"))
     assert bucket.uploads() == []  # every multipart upload was completed
@@ -136,7 +149,8 @@ def test_command_line_verifies_and_inspects(bucket):
         [*run, "inspect", bucket.url()], env=child_env(), capture_output=True, text=True, timeout=60
     )
     assert shown.returncode == 0, shown.stderr
-    assert "in storage step-00000001" in shown.stdout and "model.w" in shown.stdout
+    assert "in storage step-00000001" in shown.stdout
+    assert "model.w" in shown.stdout
     # A damaged object: CORRUPT, exit 1.
     key = "run/step-00000001/rank0.safetensors"
     data = bytearray(bucket.client.get_object(Bucket=bucket.name, Key=key)["Body"].read())
@@ -146,7 +160,8 @@ def test_command_line_verifies_and_inspects(bucket):
         [*run, "verify", bucket.url()], env=child_env(), capture_output=True, text=True, timeout=60
     )
     assert broken.returncode == 1
-    assert "CORRUPT" in broken.stderr and "changed after its checkpoint was committed" in broken.stderr
+    assert "CORRUPT" in broken.stderr
+    assert "changed after its checkpoint was committed" in broken.stderr
 
 
 def test_a_copy_of_the_objects_is_a_checkpoint_directory(bucket, tmp_path):
