@@ -13,6 +13,7 @@ import resource
 import socket
 import struct
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -304,3 +305,26 @@ def flip_tensor_byte(d: Path) -> None:
     data = bytearray(st.read_bytes())
     data[start + (begin + end) // 2] ^= 0x5A
     st.write_bytes(bytes(data))
+
+
+def torchrun(worker: Path, nproc: int, *args: str, timeout: float = 240) -> None:
+    """Run `worker` on `nproc` ranks under torchrun (gloo on 127.0.0.1); fail the test with the
+    ranks' lines of output when it fails."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--max-restarts", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        str(worker), *args,
+    ]  # fmt: skip
+    done = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        lines = [line for line in (done.stdout + done.stderr).splitlines() if "rank" in line]
+        pytest.fail(f"{' '.join(args)} on {nproc} ranks failed:\n" + "\n".join(lines[-30:]))
+
+
+def run_plain(worker: Path, *args: str, timeout: float = 240) -> None:
+    """Run `worker` in one process without torchrun; assert it succeeds."""
+    done = subprocess.run(
+        [sys.executable, str(worker), *args],
+        env=child_env(), capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -19,6 +19,7 @@ import pytest
 from pyshmckpt import cli
 from pyshmckpt.storage import commit
 
+import helpers
 from helpers import child_env, free_port
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
@@ -29,25 +30,11 @@ pytestmark = pytest.mark.slow
 
 
 def torchrun(nproc: int, *args: str) -> None:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--max-restarts", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(WORKER), *args,
-    ]  # fmt: skip
-    done = subprocess.run(
-        command, env=child_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT
-    )
-    if done.returncode != 0:
-        lines = [line for line in (done.stdout + done.stderr).splitlines() if "rank" in line]
-        pytest.fail(f"{' '.join(args)} on {nproc} ranks failed:\n" + "\n".join(lines[-30:]))
+    helpers.torchrun(WORKER, nproc, *args, timeout=RUN_TIMEOUT)
 
 
 def plain_run(*args: str) -> None:
-    done = subprocess.run(
-        [sys.executable, str(WORKER), *args],
-        env=child_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
+    helpers.run_plain(WORKER, *args, timeout=RUN_TIMEOUT)
 
 
 def launch(nproc: int, *args: str) -> list[int]:

@@ -64,14 +64,16 @@ class MotoServer:
 
 class FaultProxy:
     """An HTTP proxy to `upstream`: answers 503 SlowDown to every `throttle_every`-th request
-    (0: none), waits `delay` seconds before passing each request on, and with `drop` set
-    closes each connection without an answer (a server that went away mid-request)."""
+    (0: none) and to every request whose path and query contain `throttle_matching` (None:
+    none), waits `delay` seconds before passing each request on, and with `drop` set closes
+    each connection without an answer (a server that went away mid-request)."""
 
     def __init__(self, upstream: str, *, throttle_every: int = 0, delay: float = 0.0) -> None:
         self.upstream = upstream.removeprefix("http://")
         self.throttle_every = throttle_every
         self.delay = delay
         self.drop = False
+        self.throttle_matching: str | None = None
         self.requests = 0
         self.throttled = 0
         self._lock = threading.Lock()
@@ -88,7 +90,11 @@ class FaultProxy:
                 body = self.rfile.read(length) if length else b""
                 with proxy._lock:
                     proxy.requests += 1
-                    throttle = proxy.throttle_every and proxy.requests % proxy.throttle_every == 0
+                    throttle = (
+                        proxy.throttle_every and proxy.requests % proxy.throttle_every == 0
+                    ) or (
+                        proxy.throttle_matching is not None and proxy.throttle_matching in self.path
+                    )
                     proxy.throttled += bool(throttle)
                 if proxy.delay:
                     time.sleep(proxy.delay)

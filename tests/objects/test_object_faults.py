@@ -196,3 +196,46 @@ def test_the_stall_timeout_counts_uploaded_parts(bucket, proxy):
         assert time.monotonic() - started < 20
         proxy.delay = 0.0
     assert_same_tree(state(8, count=32), pyshmckpt.load(bucket.url()))
+
+
+def test_a_rank_that_fails_stops_every_rank_and_the_next_save_cleans_up(bucket, proxy, monkeypatch):
+    """Two ranks (two writers) save one checkpoint; rank 1's parts are refused: it fails with
+    the service's error, rank 0 with a CommitError naming rank 1 at once (not at the barrier
+    timeout), nothing is committed; the run's next checkpoint commits and removes what the
+    failed attempt left."""
+    url = bucket.url("ranks")
+    run = "a" * 32
+    direct = bucket.server.endpoint
+    point_at(monkeypatch, direct)
+    first = pyshmckpt.Checkpointer(
+        url, rank=0, world_size=2, run_id=run, barrier_timeout=60, config=bounded_config()
+    )
+    point_at(monkeypatch, proxy.endpoint)
+    monkeypatch.setenv("PYSHMCKPT_OBJECT_ATTEMPTS", "1")
+    second = pyshmckpt.Checkpointer(
+        url, rank=1, world_size=2, run_id=run, barrier_timeout=60, config=bounded_config()
+    )
+    try:
+        proxy.throttle_matching = "partNumber="  # rank 1's parts, and nothing else
+        started = time.monotonic()
+        mine = first.save(state(11), "ck")
+        theirs = second.save(state(12), "ck")
+        with pytest.raises(pyshmckpt.ObjectStoreUnavailableError):
+            theirs.result(SAVE_TIMEOUT)
+        with pytest.raises(pyshmckpt.CommitError, match="rank 1 failed to upload"):
+            mine.result(SAVE_TIMEOUT)
+        assert time.monotonic() - started < 30
+        root = object_store.parse(url)
+        assert object_commit.committed(root) == []
+        proxy.throttle_matching = None
+        both = [first.save(state(13), "ck2"), second.save(state(14), "ck2")]
+        for saved in both:
+            saved.result(SAVE_TIMEOUT)
+    finally:
+        first.close()
+        second.close()
+    assert [name for _, name in object_commit.committed(root)] == ["ck2"]
+    assert bucket.keys("ranks/.pending/") == []
+    assert bucket.keys("ranks/ck/") == []  # the failed attempt's objects
+    assert_same_tree(state(13), pyshmckpt.load(url, rank=0))
+    assert_same_tree(state(14), pyshmckpt.load(url, rank=1))
