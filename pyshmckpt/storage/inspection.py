@@ -27,7 +27,9 @@ def _mapped(
             yield opened
         return
     checkpoint, record = object_files.resolve(where)
-    _, st_path, described, header, mapped, f = object_files.open_rank(checkpoint, record, rank)
+    stored = object_files.open_rank(checkpoint, record, rank)
+    stored.remote.fetch_all()
+    _, st_path, described, header, mapped, f, _ = stored
     f.close()
     view = memoryview(mapped)
     try:

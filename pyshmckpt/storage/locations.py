@@ -3,10 +3,11 @@
 
 ``Path("s3://bucket/run")`` is the relative path ``s3:/bucket/run``: written there, checkpoints
 would land in a directory named ``s3:`` of the current directory while the caller believes them
-in a bucket. So every place that takes a checkpoint root, directory or file (the Checkpointer,
-`load`, `verify`, the command line, the framework adapters) passes it through `local_path`,
-which refuses anything that starts like a URL (``scheme:/``, also after a Path collapsed its
-``//``) with `UnsupportedLocationError`, and takes ``file://`` URLs as the path they name.
+in a bucket. So every place that takes a checkpoint root, directory or file passes it through
+`location` (the Checkpointer, `load`, `verify`, the command line: ``s3://`` is object storage)
+or `local_path` (the framework adapters, which need a directory), which refuse anything else that
+starts like a URL (``scheme:/``, also after a Path collapsed its ``//``) with
+`UnsupportedLocationError`, and take ``file://`` URLs as the path they name.
 """
 
 from __future__ import annotations
@@ -79,11 +80,16 @@ def local_path(value: Any, what: str = "checkpoint location") -> Path:
             )
         return Path(unquote(parts.path))
     service = _OBJECT_STORES.get(scheme)
-    if scheme in object_store.SCHEMES:
+    if scheme in object_store.SCHEMES and "://" not in text:
         why = (
-            f"a {what} here is a directory on a local or shared filesystem; object storage "
-            "(s3://) is a root of a Checkpointer (or its mirror) and a path of load, verify "
-            "and inspect"
+            f"a URL with one slash after '{scheme}:' is not supported: a Path collapses the "
+            f"'//' of a URL; pass '{scheme}://bucket/prefix' as a str"
+        )
+    elif scheme in object_store.SCHEMES:
+        why = (
+            f"object storage is not supported as a {what} here: it is a directory on a local "
+            "or shared filesystem (object storage is a Checkpointer's root, and a path of "
+            "load, verify and inspect)"
         )
     elif service is not None:
         why = (

@@ -1,17 +1,25 @@
 """A rank's files of a committed checkpoint in object storage, opened as `rank_files` opens them
-from a disk: the data object is read with parallel ranged GETs straight into memory of this
-process (a memfd, which then serves as the file: tensors map it, `into=` reads from it), each
-range on condition that the object is still the one the commit record names. The reader checks
-every entry's CRC32C as for a file.
+from a disk. The data object's bytes are read when they are needed, with parallel ranged GETs,
+each on condition that the object is still the one the commit record names (`RemoteBytes`):
+straight into the tensors that will hold them (a fresh load, `into=`), or into an image of the
+object in memory (a memfd, which serves as the file: tensors that map it, copies out of it); a
+load that reshards reads only the entries that hold the shards it needs. The reader checks every
+entry's CRC32C as for a file.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
+import struct
+import threading
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import numpy as np
 
 from .. import knobs
 from ..errors import (
@@ -20,6 +28,7 @@ from ..errors import (
     ObjectStoreError,
     from_os_error,
 )
+from ..shm.native import copy_threads, crc32c
 from . import object_commit, object_store
 from .object_store import ObjectPath
 from .object_upload import part_size
@@ -59,7 +68,8 @@ def _object(checkpoint: ObjectPath, record: dict[str, Any], name: str) -> tuple[
 
 
 def open_rank(checkpoint: ObjectPath, record: dict[str, Any], rank: int) -> OpenedRank:
-    """Rank `rank`'s files of the committed `checkpoint` (its record `record`), read into memory."""
+    """Rank `rank`'s files of the committed `checkpoint` (its record `record`): the manifest
+    read, the data object's header read, its bytes read when asked for (`RemoteBytes`)."""
     st_name, json_name = file_names(rank)
     json_path, st_path = checkpoint / json_name, checkpoint / st_name
     if rank not in ranks(record):
@@ -78,55 +88,168 @@ def open_rank(checkpoint: ObjectPath, record: dict[str, Any], rank: int) -> Open
         raise CheckpointCorruptError(str(json_path), "not a pyshmckpt manifest")
     check_format_version(str(json_path), described)
     etag, size = _object(checkpoint, record, st_name)
-    if not size:
-        raise CheckpointCorruptError(str(st_path), "empty file")
+    if size < 8:
+        raise CheckpointCorruptError(str(st_path), f"the object is {size} bytes: no header")
     fd = os.memfd_create(f"pyshmckpt-{st_name}", os.MFD_CLOEXEC)
     f = os.fdopen(fd, "r+b")
     try:
         os.ftruncate(fd, size)
-        _download(st_path, etag, size, fd)
+        remote = RemoteBytes(st_path, etag, size, fd)
+        (length,) = struct.unpack("<Q", remote.fetched(0, 8))
+        remote.fetch([(8, min(length, size - 8))])
         header = parse_header(str(st_path), f, size)
         try:
             mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
         except OSError as exc:
-            raise from_os_error(exc, f"cannot map what was read of {st_path}") from exc
+            raise from_os_error(exc, f"cannot map the memory of {st_path}") from exc
     except BaseException:
         f.close()
         raise
-    return OpenedRank(json_path, st_path, described, header, mapped, f)  # type: ignore[arg-type]
+    return OpenedRank(json_path, st_path, described, header, mapped, f, remote)  # type: ignore[arg-type]
 
 
-def _download(path: ObjectPath, etag: str, size: int, fd: int) -> None:
-    """Read the object at `path` (of `size` bytes, ETag `etag`) into the file `fd`, with
-    parallel ranged GETs straight into a shared map of it."""
-    step = part_size(size)
-    ranges = [(start, min(step, size - start)) for start in range(0, size, step)]
-    with mmap.mmap(fd, size, access=mmap.ACCESS_WRITE) as target:
-        view = memoryview(target)
-        try:
-            with ThreadPoolExecutor(min(knobs.object_concurrency(), len(ranges))) as pool:
-                done = [pool.submit(_read_range, path, etag, start, view[start : start + n])
-                        for start, n in ranges]  # fmt: skip
-                for future in done:
-                    future.result()
-        finally:
-            view.release()
+_GAP = 1 << 20  # bytes between two wanted ranges read with them rather than by another request
 
 
-def _read_range(path: ObjectPath, etag: str, start: int, into: memoryview) -> None:
+class RemoteBytes:
+    """The bytes of one object in object storage, read on demand with ranged GETs (in parallel,
+    adjacent ranges in one request, each request on condition that the object still has the
+    ETag its commit recorded): into the object's image in memory (`fetch`, once per byte), or
+    straight into the caller's memory (`read_into`)."""
+
+    def __init__(self, path: ObjectPath, etag: str, size: int, fd: int) -> None:
+        self.path, self.etag, self.size = path, etag, size
+        self._image = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)  # the memfd's own pages
+        self._have: list[tuple[int, int]] = []  # [start, end) ranges of the image read
+        self._lock = threading.Lock()
+
+    def fetched(self, start: int, length: int) -> bytes:
+        """Bytes `start`..`start + length` of the object (read into the image first)."""
+        self.fetch([(start, length)])
+        return bytes(self._image[start : start + length])
+
+    def fetch_all(self) -> None:
+        self.fetch([(0, self.size)])
+
+    def fetch(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """Make the image hold the (start, length) `ranges` of the object."""
+        with self._lock:
+            wanted = _merge([(a, a + n) for a, n in ranges if n > 0], gap=_GAP)
+            missing = [piece for a, b in wanted for piece in _without(a, b, self._have)]
+            if not missing:
+                return
+            view = memoryview(self._image)
+            try:
+                jobs = [[(a, view[a:b])] for start, end in missing for a, b in _split(start, end)]
+                self._get_all(jobs)
+            finally:
+                view.release()
+            self._have = _merge(self._have + missing, gap=0)
+
+    def read_into(self, rows: np.ndarray, *, checksums: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Read each (object offset, address, nbytes) row of `rows` straight into memory at its
+        address, as `native.read_file_ranges` reads a file; returns (crcs, got) as it does.
+
+        The caller owns the memory: every address writable for its byte count, no overlaps,
+        alive until this returns."""
+        order = sorted(range(len(rows)), key=lambda i: int(rows[i, 0]))
+        targets: dict[int, memoryview] = {}  # row -> its memory
+        for i in order:
+            offset, address, nbytes = (int(v) for v in rows[i])
+            if offset + nbytes > self.size:
+                raise CheckpointCorruptError(str(self.path), "a range lies past the object's end")
+            if nbytes:
+                targets[i] = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+        limit = part_size(self.size)
+        jobs: list[list[tuple[int, memoryview]]] = []
+        for i, target in targets.items():  # pieces of at most a part, in groups of at most a part
+            offset = int(rows[i, 0])
+            for a, b in _split(offset, offset + len(target)):
+                piece = (a, target[a - offset : b - offset])
+                last = jobs[-1] if jobs else None
+                if last and 0 <= a - _end(last) <= _GAP and b - last[0][0] <= limit:
+                    last.append(piece)
+                else:
+                    jobs.append([piece])
+        self._get_all(jobs)
+        crcs = np.zeros(len(rows), dtype=np.uint32)
+        if checksums and targets:
+            with ThreadPoolExecutor(max(1, copy_threads())) as pool:
+                for i, crc in zip(targets, pool.map(crc32c, targets.values()), strict=True):
+                    crcs[i] = crc
+        return crcs, rows[:, 2].copy()
+
+    def _get_all(self, jobs: list[list[tuple[int, memoryview]]]) -> None:
+        if len(jobs) == 1:
+            _get(self.path, self.etag, jobs[0])
+            return
+        with ThreadPoolExecutor(min(knobs.object_concurrency(), len(jobs))) as pool:
+            for done in [pool.submit(_get, self.path, self.etag, job) for job in jobs]:
+                done.result()
+
+
+def _end(job: list[tuple[int, memoryview]]) -> int:
+    start, view = job[-1]
+    return start + len(view)
+
+
+def _split(start: int, end: int) -> list[tuple[int, int]]:
+    step = part_size(end - start)
+    return [(a, min(a + step, end)) for a in range(start, end, step)]
+
+
+def _merge(ranges: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+    """[start, end) ranges sorted, those at most `gap` apart joined."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a - out[-1][1] <= gap:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _without(start: int, end: int, have: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of [start, end) outside the sorted, disjoint ranges `have`."""
+    out, cursor = [], start
+    for a, b in have:
+        if b <= cursor or a >= end:
+            continue
+        if a > cursor:
+            out.append((cursor, a))
+        cursor = max(cursor, b)
+    if cursor < end:
+        out.append((cursor, end))
+    return out
+
+
+def _get(path: ObjectPath, etag: str, pieces: list[tuple[int, memoryview]]) -> None:
+    """One ranged GET of the bytes from the first piece's start to the last one's end, each
+    piece's bytes into its view (the bytes between pieces are read and dropped)."""
+    first, last = pieces[0][0], _end(pieces)
     extra = {"IfMatch": etag} if etag else {}
-    end = start + len(into) - 1
+    where = f"reading bytes {first}-{last - 1}"
     try:
         answer = object_store.client().get_object(
-            Bucket=path.bucket, Key=path.key, Range=f"bytes={start}-{end}", **extra
+            Bucket=path.bucket, Key=path.key, Range=f"bytes={first}-{last - 1}", **extra
         )
-        got = 0
         with answer["Body"] as body:
-            while got < len(into):
-                n = body.readinto(into[got:])
-                if not n:
-                    break
-                got += n
+            cursor = first
+            for start, view in pieces:
+                while cursor < start:  # a gap between two wanted ranges
+                    skipped = len(body.read(min(start - cursor, 1 << 20)))
+                    if not skipped:
+                        raise ObjectStoreError(str(path), f"{where} ended at byte {cursor}")
+                    cursor += skipped
+                got = 0
+                while got < len(view):
+                    n = body.readinto(view[got:])
+                    if not n:
+                        raise ObjectStoreError(str(path), f"{where} ended at byte {cursor + got}")
+                    got += n
+                cursor += got
+    except ObjectStoreError:
+        raise
     except Exception as exc:
         if object_store.precondition_failed(exc):
             raise CheckpointCorruptError(
@@ -134,8 +257,4 @@ def _read_range(path: ObjectPath, etag: str, start: int, into: memoryview) -> No
             ) from None
         if object_store.missing(exc):
             raise CheckpointCorruptError(str(path), "the object is missing") from None
-        raise object_store.error(path, f"reading bytes {start}-{end}", exc) from exc
-    finally:
-        into.release()
-    if got != end - start + 1:
-        raise ObjectStoreError(str(path), f"reading bytes {start}-{end} ended after {got} bytes")
+        raise object_store.error(path, where, exc) from exc

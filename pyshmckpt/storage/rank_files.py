@@ -36,6 +36,9 @@ class OpenedRank(NamedTuple):
     header: Any  # the data file's safetensors header
     mapped: mmap.mmap  # a copy-on-write map of the data file
     file: IO[bytes]  # the data file, open
+    # Object storage: the data object's bytes, read on demand (`object_files.RemoteBytes`);
+    # the map and the file hold them once read. None: a file on a disk, all there.
+    remote: Any = None
 
 
 def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
@@ -325,7 +328,7 @@ def mapped_rank(
 ) -> Iterator[tuple[Path, Any, Any, memoryview]]:
     """A rank's data file path, manifest, header and a view of the file's map, unmapped at the
     end (tensors made from the view must be gone by then)."""
-    _, st_path, described, header, mapped, f = open_rank(path, rank)
+    _, st_path, described, header, mapped, f, _ = open_rank(path, rank)
     f.close()
     view = memoryview(mapped)
     try:

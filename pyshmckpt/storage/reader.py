@@ -101,17 +101,31 @@ def _rank_file(
     verify_all: bool = False,
     in_memory: bool = False,
     arrays: _ArrayMaker | None = None,
+    lazy: bool = False,
 ) -> resharding.RankFile:
     """A rank's opened files with their tensors (file maps, or copies in memory) and decoded
     structure; with verify_all, every checksum is checked first. With `arrays`, the structure
-    holds the arrays it makes of the rows that were arrays (else those rows' tensors)."""
-    json_path, st_path, described, header, mapped, f = opened
+    holds the arrays it makes of the rows that were arrays (else those rows' tensors). From
+    object storage, the map's bytes are read in full first, unless `lazy`: then the caller
+    has each entry read before it reads the entry's tensors (`RankFile.ready`)."""
+    json_path, st_path, described, header, mapped, f, remote = opened
     view = memoryview(mapped)
     loaded = None
+
+    def fetch(names: set[str]) -> None:
+        if remote is not None:
+            entries = [header.entries[name] for name in names if name in header.entries]
+            remote.fetch([(header.data_start + e.begin, e.end - e.begin) for e in entries])
+
     if in_memory:
-        loaded = _read_entries(st_path, f, header, described.get("entries"), verify=verify_all)
-    elif verify_all:
-        check_crcs(st_path, view, header, described.get("entries"))
+        loaded = _read_entries(
+            st_path, f, header, described.get("entries"), verify=verify_all, remote=remote
+        )
+    else:
+        if remote is not None and not lazy:
+            remote.fetch_all()
+        if verify_all:
+            check_crcs(st_path, view, header, described.get("entries"))
     tensors = tensors_of(st_path, view, header, described.get("tensors"), loaded=loaded)
     values = tensors if arrays is None else arrays.values(tensors, described["tensors"])
     try:
@@ -122,9 +136,13 @@ def _rank_file(
         raise CheckpointCorruptError(str(json_path), str(exc)) from None
 
     def verify_entries(names: set[str]) -> None:
+        fetch(names)
         check_crcs(st_path, view, header, described.get("entries"), only=names)
 
-    return resharding.RankFile(rank, st_path, described, tensors, state, verify_entries)
+    return resharding.RankFile(
+        rank, st_path, described, tensors, state, verify_entries,
+        fetch if remote is not None and not in_memory else None,
+    )  # fmt: skip
 
 
 def _cupy(opened: OpenedRank, cupy_as: str) -> Any:
@@ -231,11 +249,11 @@ def _reshard_into(
     files = []
     for r in saved:
         if r == rank:
-            files.append(_rank_file(opened, r, allow_pickle))
+            files.append(_rank_file(opened, r, allow_pickle, lazy=True))
             continue
         other = open_other(r)
         with other.file:  # the file map stays; the descriptor is not needed
-            files.append(_rank_file(other, r, allow_pickle))
+            files.append(_rank_file(other, r, allow_pickle, lazy=True))
     resharding.fill(into, files, saved.index(rank), verify, str(directory))
     logger.debug("resharded %s (%d ranks) into the target state dict", directory, len(saved))
 
@@ -252,10 +270,10 @@ def _shards_into(
     within them (a target sharded as when it was saved): NotSupportedError otherwise, before
     anything is written. Eligible CPU tensors are read straight from the file, as `_load_into`
     reads them; every entry's checksum is checked when `verify`."""
-    _, st_path, described, header, _, f = opened
+    _, st_path, described, header, _, f, remote = opened
     expected = expected_crcs(st_path, header, described.get("entries")) if verify else None
-    file = _rank_file(opened, rank, allow_pickle)
-    direct = _DirectReads(st_path, f, header, file, expected)
+    file = _rank_file(opened, rank, allow_pickle, lazy=True)
+    direct = _DirectReads(st_path, f, header, file, expected, remote)
     saved = f", saved by {described['world_size']} ranks" if "world_size" in described else ""
     partial = (
         f"the checkpoint held in memory holds rank {rank}'s shards only{saved}; load it from "
@@ -275,9 +293,11 @@ def _read_ranges(
     header: Any,
     jobs: list[tuple[str, int]],
     expected: dict[str, int] | None,
+    remote: Any = None,
 ) -> None:
     """pread each (entry name, destination address) job's entry straight to its address, in
-    parallel; with `expected`, check each entry's CRC32C computed from the bytes as they landed.
+    parallel (from object storage: ranged GETs, `remote`); with `expected`, check each entry's
+    CRC32C computed from the bytes as they landed.
 
     The caller owns the destinations: each is writable for its entry's length, none overlap, and
     they stay alive until this returns (see `native.read_file_ranges`).
@@ -289,9 +309,12 @@ def _read_ranges(
         entry = header.entries[name]  # parse_header checked the range lies inside the file
         rows[i] = (header.data_start + entry.begin, address, entry.end - entry.begin)
     try:
-        crcs, got = read_file_ranges(
-            f.fileno(), rows, checksums=expected is not None, path=str(st_path)
-        )
+        if remote is not None:
+            crcs, got = remote.read_into(rows, checksums=expected is not None)
+        else:
+            crcs, got = read_file_ranges(
+                f.fileno(), rows, checksums=expected is not None, path=str(st_path)
+            )
     except OSError as exc:
         raise from_os_error(exc, f"cannot read {st_path}") from exc
     for i, (name, _) in enumerate(jobs):
@@ -309,7 +332,7 @@ def _read_ranges(
 
 
 def _read_entries(
-    st_path: Path, f: IO[bytes], header: Any, recorded: Any, *, verify: bool
+    st_path: Path, f: IO[bytes], header: Any, recorded: Any, *, verify: bool, remote: Any = None
 ) -> dict[str, torch.Tensor]:
     """Every non-empty entry of the file read into memory of its own (`entry_tensor`: of the
     entry's dtype and shape), checksums verified from the landed bytes when `verify` (empty
@@ -324,7 +347,8 @@ def _read_entries(
                 str(st_path), f"checksum mismatch (0x00000000 != {expected[name]:#010x})",
                 tensor=name,
             )  # fmt: skip
-    _read_ranges(st_path, f, header, [(name, t.data_ptr()) for name, t in loaded.items()], expected)
+    jobs = [(name, t.data_ptr()) for name, t in loaded.items()]
+    _read_ranges(st_path, f, header, jobs, expected, remote)
     return loaded
 
 
@@ -339,9 +363,10 @@ class _DirectReads:
 
     def __init__(
         self, st_path: Path, f: IO[bytes], header: Any, file: resharding.RankFile,
-        expected: dict[str, int] | None,
+        expected: dict[str, int] | None, remote: Any = None,
     ) -> None:  # fmt: skip
         self._st_path, self._f, self._header, self._file = st_path, f, header, file
+        self._remote = remote
         self._expected = expected
         self._pending: list[tuple[torch.Tensor, str]] = []
         self._seen: dict[int, tuple[str, int] | None] = {}  # target storage -> (entry, bytes)
@@ -386,7 +411,7 @@ class _DirectReads:
     def flush(self) -> None:
         pending, self._pending = self._pending, []
         jobs = [(entry, target.data_ptr()) for target, entry in pending]
-        _read_ranges(self._st_path, self._f, self._header, jobs, self._expected)
+        _read_ranges(self._st_path, self._f, self._header, jobs, self._expected, self._remote)
         _bump_versions([target for target, _ in pending])  # as an in-place copy_ would
         if self._expected is not None:
             for _, entry in pending:
@@ -408,10 +433,10 @@ def _load_into(
 ) -> None:
     """Fill `into` from rank `rank`'s file (no resharding): eligible CPU tensors straight from
     the file, the others copied from its map; every entry's checksum checked when `verify`."""
-    _, st_path, described, header, _, f = opened
+    _, st_path, described, header, _, f, remote = opened
     expected = expected_crcs(st_path, header, described.get("entries")) if verify else None
-    file = _rank_file(opened, rank, allow_pickle)
-    direct = _DirectReads(st_path, f, header, file, expected)
+    file = _rank_file(opened, rank, allow_pickle, lazy=True)
+    direct = _DirectReads(st_path, f, header, file, expected, remote)
     resharding.fill(into, [file], 0, verify, str(st_path.parent), direct=direct)
     direct.flush()
     if verify:

@@ -51,12 +51,16 @@ class RankFile:
         tensors: list[torch.Tensor],
         state: Any,
         verify_entries: Any,
+        fetch_entries: Any = None,
     ) -> None:
         self.rank = rank
         self.st_path = st_path
         self.state = state
         self._verify_entries = verify_entries  # callable(set of entry names)
         self._verified: set[str] = set()
+        # callable(set of entry names) that brings their bytes into the file's map (None: there)
+        self._fetch_entries = fetch_entries
+        self._fetched: set[str] = set()
         rows = described.get("tensors") or []
         self._index = {id(t): i for i, t in enumerate(tensors)}
         self._entry = [row.get("entry") for row in rows]
@@ -90,6 +94,29 @@ class RankFile:
         if rest:
             self._verify_entries(rest)
             self._verified |= rest
+
+    @property
+    def reads_on_demand(self) -> bool:
+        """Whether the entries' bytes are read when needed (object storage), not there already."""
+        return self._fetch_entries is not None
+
+    def prefetch(self, tensors: list[torch.Tensor]) -> None:
+        """Read the entries holding `tensors` in one go (see `ready`)."""
+        entries = {self.entry_of(t) for t in tensors} - {None} - self._fetched
+        if self._fetch_entries is not None and entries:
+            self._fetch_entries(entries)
+            self._fetched |= entries  # type: ignore[arg-type]
+
+    def ready(self, tensor: torch.Tensor, verify: bool) -> None:
+        """Have the bytes of the file entry holding `tensor` in the map (read on demand from
+        object storage), checked when `verify`: before `tensor`'s values are read."""
+        i = self._index.get(id(tensor))
+        entry = None if i is None else self._entry[i]
+        if self._fetch_entries is not None and entry is not None and entry not in self._fetched:
+            self._fetch_entries({entry})
+            self._fetched.add(entry)
+        if verify:
+            self.verify(tensor)
 
     def verify(self, tensor: torch.Tensor) -> None:
         """Verify the checksum of the file entry holding `tensor` (once per entry)."""
@@ -135,6 +162,7 @@ class _Job(NamedTuple):
     partial: str | None  # why `files` are not every saved rank's (None: they are)
     write: bool  # False: only check that the target can be filled from `files`
     dtensor: type | None  # torch's DTensor class, if loaded (see loaded_dtensor_type)
+    wanted: list[tuple[RankFile, torch.Tensor]] | None = None  # a check notes what it would read
 
 
 def fill(
@@ -159,6 +187,18 @@ def fill(
     if partial is not None:
         check = _Job(files, primary, verify, where, None, partial, False, dtensor)
         _fill(target, sources, check, "state_dict")
+    if direct is None and any(f.reads_on_demand for f in files):
+        # From object storage: every entry the fill will read, read at once (in parallel,
+        # adjacent ones together) rather than one request per entry as the copies come.
+        wanted: list[tuple[RankFile, torch.Tensor]] = []
+        _fill(
+            target,
+            sources,
+            _Job(files, primary, verify, where, None, None, False, dtensor, wanted),
+            "state_dict",
+        )
+        for file in files:
+            file.prefetch([tensor for owner, tensor in wanted if owner is file])
     _fill(
         target,
         sources,
@@ -295,10 +335,13 @@ def _fill_tensor(target: torch.Tensor, sources: list[Any], job: _Job, path: str)
                 f"{path}: the checkpoint holds a tensor of shape {tuple(source.shape)}, "
                 f"the target {tuple(target.shape)}"
             )
-        if not job.write or (direct is not None and direct(target, source)):
+        if not job.write:
+            if job.wanted is not None:
+                job.wanted.append((files[primary], source))
             return
-        if verify:
-            files[primary].verify(source)
+        if direct is not None and direct(target, source):
+            return
+        files[primary].ready(source, verify)
         with torch.no_grad():
             target.copy_(source)
         return
@@ -343,6 +386,8 @@ def _fill_tensor(target: torch.Tensor, sources: list[Any], job: _Job, path: str)
         lo, hi = overlap
         covered += math.prod(b - a for a, b in zip(lo, hi, strict=True))
         if not job.write:
+            if job.wanted is not None:
+                job.wanted.append((file, piece))
             continue
         if piece_box == box:  # the whole target from one whole saved shard: `direct` may read it
             part, whole = local, piece
@@ -354,8 +399,7 @@ def _fill_tensor(target: torch.Tensor, sources: list[Any], job: _Job, path: str)
             part, whole = local[into], piece[out_of]
         if direct is not None and direct(part, whole):
             continue
-        if verify:
-            file.verify(piece)
+        file.ready(piece, verify)
         with torch.no_grad():
             part.copy_(whole)
     if covered < wanted and job.partial is not None:

@@ -214,8 +214,6 @@ def _load_object(
         checkpoint, record = object_files.resolve(path)
     saved = object_files.ranks(record)
     used = rank if rank is not None else (me if me in saved else 0)
-    if kwargs["mmap"] is None and kwargs["into"] is None:
-        kwargs = {**kwargs, "mmap": True}  # tensors view the memory the bytes were read into
     opened = object_files.open_rank(checkpoint, record, used)
     return reader.load_opened(
         opened, used, verify=verify, memory=False,

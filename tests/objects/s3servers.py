@@ -76,6 +76,8 @@ class FaultProxy:
         self.throttle_matching: str | None = None
         self.requests = 0
         self.throttled = 0
+        self.read_bytes = 0  # bytes of .safetensors objects answered to GETs
+
         self._lock = threading.Lock()
         proxy = self
 
@@ -123,6 +125,10 @@ class FaultProxy:
                     return
                 finally:
                     upstream.close()
+                if self.command == "GET" and ".safetensors" in self.path:
+                    with proxy._lock:
+                        proxy.read_bytes += len(data)
+
                 self.send_response(answer.status, answer.reason)
                 for key, value in answer.getheaders():
                     if key.lower() not in ("content-length", "transfer-encoding", "connection"):

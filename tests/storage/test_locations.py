@@ -1,6 +1,8 @@
-"""A URL is never a local path: every entry point that takes a checkpoint location refuses
-``s3://`` and the like with `UnsupportedLocationError` (a `NotSupportedError`), before anything
-is created, instead of writing into a directory named ``s3:`` of the current directory."""
+"""A URL is never a local path: every entry point that takes a checkpoint location refuses a URL
+it does not read and write (``gs://``, ``https://``, an ``s3://`` URL a Path collapsed to
+``s3:/``, ``s3://`` where a directory is needed) with `UnsupportedLocationError` (a
+`NotSupportedError`), before anything is created, instead of writing into a directory named
+``s3:`` of the current directory. (``s3://`` itself: tests/objects.)"""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pyshmckpt.storage import locations
 
 from helpers import SAVE_TIMEOUT, child_env, opened
 
-URLS = ["s3://bucket/run", "gs://bucket/run", "az://container/run", "https://host/run"]
+URLS = ["gs://bucket/run", "az://container/run", "https://host/run", "s3:/bucket/run"]
 
 
 @pytest.fixture
@@ -30,12 +32,16 @@ def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.mark.parametrize("url", URLS)
 def test_a_checkpointer_refuses_a_url_root_and_creates_nothing(in_tmp: Path, url: str) -> None:
-    for root in (url, Path(url)):  # a Path collapses "//": "s3:/bucket/run"
+    for root in (url, Path(url)):  # a Path collapses "//": "gs:/bucket/run"
         with pytest.raises(pyshmckpt.UnsupportedLocationError) as caught:
             pyshmckpt.Checkpointer(root)
         assert isinstance(caught.value, pyshmckpt.NotSupportedError)
         assert caught.value.location == os.fspath(root)
-        assert "local or shared filesystem" in str(caught.value)
+        assert "not supported" in str(caught.value)
+    with pytest.raises(
+        pyshmckpt.UnsupportedLocationError, match="pass 's3://bucket/prefix' as a str"
+    ):
+        pyshmckpt.Checkpointer(Path("s3://bucket/run"))
     assert list(in_tmp.iterdir()) == []
 
 
@@ -47,7 +53,12 @@ def test_the_error_names_the_object_store_and_survives_pickling() -> None:
     assert (again.location, str(again)) == (caught.value.location, str(caught.value))
 
 
-@pytest.mark.parametrize("url", ["s3://bucket/run", "s3:/bucket/run/step-1"])
+def test_a_directory_is_needed_where_object_storage_is_not_taken() -> None:
+    with pytest.raises(pyshmckpt.UnsupportedLocationError, match="object storage is not supported"):
+        locations.local_path("s3://bucket/run", "output_dir")
+
+
+@pytest.mark.parametrize("url", ["gs://bucket/run", "s3:/bucket/run/step-1"])
 def test_load_verify_and_the_command_line_refuse_a_url(in_tmp: Path, url: str) -> None:
     with pytest.raises(pyshmckpt.UnsupportedLocationError):
         pyshmckpt.load(url)
