@@ -161,7 +161,11 @@ class Checkpointer:
     ``pyshmckpt.load(path, into=...)`` reshards them onto any mesh and number of ranks.
 
     Args:
-        root: a writable directory, created (with its parents) when missing.
+        root: a writable directory, created (with its parents) when missing; or a prefix in
+            object storage, ``"s3://bucket/prefix"`` (the ``s3`` extra; see the guide
+            "Checkpoints in object storage"): each checkpoint is then the objects
+            ``prefix/name/rank<r>.*`` uploaded from the slot by the writer, committed by a
+            ``commit.json`` written last, with the safetensors writer and without ``hold``.
         writer: a name from the storage registry (``pyshmckpt.storage.writer_names()``):
             "safetensors" (default: ``rankN.safetensors`` + ``rankN.json``, read by
             ``pyshmckpt.load``), "torch" (torch.save, ``checkpoint_N.pt``) or "dcp" (one rank
@@ -248,17 +252,20 @@ class Checkpointer:
             ``config`` field.
         ConfigTypeError: ``rank``, ``world_size`` or ``capacity_bytes`` is not an int, or
             ``config`` is neither pyshmckpt's nor torch's ``CheckpointProcessConfig``.
-        NotSupportedError: a single-process writer ("dcp") with ``world_size`` above 1;
-            `UnsupportedLocationError` for a root that is a URL (``s3://`` ...): checkpoints go
-            to a local or shared filesystem.
+        NotSupportedError: a single-process writer ("dcp") with ``world_size`` above 1; an
+            object storage root with another writer than "safetensors", or with ``hold`` or
+            ``replicate``; `UnsupportedLocationError` for a root that is another URL
+            (``gs://``, ``https://`` ...), or an ``s3://`` URL a Path collapsed to ``s3:/``.
         PyshmckptOSError: the root cannot be created, is not a directory
             (`PathNotADirectoryError`) or not writable (`AccessDeniedError`), or the slots of
             ``capacity_bytes`` cannot be created (``/dev/shm`` too small).
+        ObjectStoreError: object storage refused or failed listing the root's checkpoints
+            (`BucketNotFoundError`, `ObjectStoreAccessError`, `ObjectStoreUnavailableError`).
     """
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        root: str | os.PathLike[str] | ObjectPath,
         *,
         writer: str = "safetensors",
         slots: int = 2,

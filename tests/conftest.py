@@ -1,4 +1,5 @@
-"""Shared fixtures: the shared-memory leak check, GPU skipping, and small state dicts."""
+"""Shared fixtures: the shared-memory leak check, GPU skipping, and small state dicts (and, from
+`s3servers`, an S3 API server and a bucket per test)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 pytest.register_assert_rewrite("helpers")  # its checks must hold under python -O too
+pytest_plugins = ["s3servers"]  # the object storage tests' server and buckets
 
 import pyshmckpt  # noqa: E402
 

@@ -41,7 +41,10 @@ def sample(cls: type[BaseException]) -> BaseException:
     if issubclass(cls, errors.WriterError):
         return cls("checkpoint writer raised:\nTraceback ...", "builtins.ValueError")
     if issubclass(cls, errors.UnsupportedLocationError):
-        return cls("s3://bucket/run", "object storage is not supported")
+        return cls("gs://bucket/run", "Google Cloud Storage is not supported")
+    if issubclass(cls, errors.ObjectStoreError):
+        return cls("s3://bucket/run/step-1/rank0.safetensors",
+                   "uploading part 3 failed: SlowDown (HTTP 503)", "SlowDown", 503)  # fmt: skip
     if issubclass(cls, errors.CleanupError):
         return cls([errors.WriterShutdownTimeoutError("ignored SIGTERM")])
     if issubclass(cls, errors.PyshmckptOSError):
@@ -84,7 +87,9 @@ def test_every_error_survives_pickle(cls):
     assert type(copy) is cls
     assert str(copy) == str(original)
     assert copy.__notes__ == ["while saving step 7"]
-    for attribute in ("path", "reason", "tensor", "exc_type", "errno", "strerror", "filename"):
+    attributes = ("path", "reason", "tensor", "exc_type", "errno", "strerror", "filename",
+                  "location", "url", "code", "status")  # fmt: skip
+    for attribute in attributes:
         assert getattr(copy, attribute, None) == getattr(original, attribute, None), attribute
 
 

@@ -66,10 +66,11 @@ def _checked(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
 
 @_checked
 def _verify(args: argparse.Namespace) -> int:
-    from ..storage.inspection import saved_ranks, verify
+    from ..storage.inspection import pinned, saved_ranks, verify
 
-    checked = [args.rank] if args.rank is not None else saved_ranks(args.path)
-    counts = [verify(args.path, rank=rank) for rank in checked]
+    path = pinned(args.path)
+    checked = [args.rank] if args.rank is not None else saved_ranks(path)
+    counts = [verify(path, rank=rank) for rank in checked]
     where = f"rank {checked[0]}" if len(checked) == 1 else f"{len(checked)} ranks"
     print(f"OK: {args.path}: {sum(counts)} tensors ({where}), every checksum matches")
     return 0
@@ -129,7 +130,7 @@ def _print_stored(url: str) -> bool:
 @_checked
 def _inspect(args: argparse.Namespace) -> int:
     from ..storage import object_store
-    from ..storage.inspection import describe, saved_ranks
+    from ..storage.inspection import describe, pinned, saved_ranks
     from ..tiers.restore import is_root
 
     if object_store.is_url(args.path):
@@ -139,9 +140,10 @@ def _inspect(args: argparse.Namespace) -> int:
         return 0  # nothing on disk to describe
 
     if args.rank is not None:
-        _print_rows(describe(args.path, rank=args.rank))
+        _print_rows(describe(pinned(args.path), rank=args.rank))
         return 0
-    per_rank = {rank: describe(args.path, rank=rank) for rank in saved_ranks(args.path)}
+    path = pinned(args.path)
+    per_rank = {rank: describe(path, rank=rank) for rank in saved_ranks(path)}
     if not any(row["dtensor"] is not None for rows in per_rank.values() for row in rows):
         _print_rows(per_rank[min(per_rank)])  # nothing sharded: every rank is read alike
         return 0

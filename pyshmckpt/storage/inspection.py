@@ -39,6 +39,13 @@ def _mapped(
         mapped.close()
 
 
+def pinned(path: str | os.PathLike[str] | ObjectPath) -> str | os.PathLike[str] | ObjectPath:
+    """`path`, or for a root in object storage its newest checkpoint, found once: every rank's
+    files then come from one checkpoint, whatever is committed meanwhile."""
+    where = locations.location(path, "checkpoint path")
+    return object_files.resolve(where)[0] if isinstance(where, ObjectPath) else path
+
+
 def saved_ranks(path: str | os.PathLike[str] | ObjectPath) -> list[int]:
     """The ranks whose files a checkpoint (or a root's newest) holds, on a disk or in object
     storage (see `rank_files.ranks`)."""

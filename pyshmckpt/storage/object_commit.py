@@ -37,6 +37,7 @@ import datetime
 import errno
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 PENDING = ".pending"
 FAILED = "failed"
+_RANK_FILE = re.compile(r"rank[0-9]+\.(safetensors|json)")
 _RECORD_LIMIT = 64 << 20  # bytes of a commit record (it names every rank's objects)
 _SMALL_LIMIT = 1 << 20  # bytes of `latest`, a marker or a tombstone
 
@@ -158,8 +160,9 @@ def save(
     if old is not None:
         if not replace:
             raise os_error(errno.EEXIST, f"checkpoint {path} already exists", str(path))
-        if rank == 0:  # gone before any of its objects is overwritten
-            object_store.delete(path, [(path / COMMIT_RECORD).key])
+        # Every rank removes it before it overwrites its objects: no reader sees the old
+        # record naming objects being replaced (one who read it before gets a typed error).
+        object_store.delete(path, [(path / COMMIT_RECORD).key])
     if world_size > 1:
         if not attempt or "/" in attempt:
             raise CommitError(f"a multi-rank save needs an attempt id, not {attempt!r}")
@@ -326,7 +329,12 @@ class _SharedSave:
             ):
                 doomed.append(entry["Key"])
                 if record_of(self.path.parent / parts[0]) is None:
-                    doomed += [e["Key"] for e in object_store.listing(self.path.parent / parts[0])]
+                    root = self.path.parent
+                    doomed += [
+                        entry["Key"]
+                        for entry in object_store.listing(root / parts[0])
+                        if ours(entry["Key"][len(root.prefix) :])
+                    ]
         with contextlib.suppress(ObjectStoreError):
             object_store.delete(self.path, sorted(set(doomed)))
 
@@ -360,10 +368,13 @@ def abandon(root: str, name: str, attempt: str, rank: int, world_size: int, reas
 
 
 def _poll_delays() -> Any:
-    delay = 0.02
+    """Seconds between two looks at the store while waiting for other ranks: quick at first,
+    then once a second (each look is a request or two, billed, and counted against the
+    bucket's request rate)."""
+    delay = 0.05
     while True:
         yield delay
-        delay = min(delay * 2, 0.5)
+        delay = min(delay * 2, 1.0)
 
 
 def remove(root: ObjectPath, name: str) -> None:
@@ -404,10 +415,18 @@ def retain(root: ObjectPath, keep_last: int) -> list[str]:
     return removed
 
 
+def ours(relative: str) -> bool:
+    """Whether a key below a root (``name/file``) is one a save writes: a rank's file of a
+    checkpoint. Cleanup removes nothing else (the root may hold other data)."""
+    name, _, file = relative.partition("/")
+    return bool(name) and not name.startswith(".") and _RANK_FILE.fullmatch(file) is not None
+
+
 def clean_leftovers(root: str) -> list[str]:
     """Remove what saves that died left under `root` once it is older than
-    ``PYSHMCKPT_OBJECT_ABANDONED_AFTER``: unfinished multipart uploads, the objects of
-    checkpoints never committed, and markers. Returns the keys and uploads removed."""
+    ``PYSHMCKPT_OBJECT_ABANDONED_AFTER``: unfinished multipart uploads of a rank's file, the
+    objects of checkpoints never committed (names holding nothing but rank files), and markers.
+    Anything else under the root is left alone. Returns the keys and uploads removed."""
     where = object_store.parse(root)
     limit = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(
         seconds=knobs.object_abandoned_after()
@@ -418,7 +437,7 @@ def clean_leftovers(root: str) -> list[str]:
     try:
         for page in paginator.paginate(Bucket=where.bucket, Prefix=where.prefix):
             for upload in page.get("Uploads", []):
-                if upload["Initiated"] < limit:
+                if upload["Initiated"] < limit and ours(upload["Key"][len(where.prefix) :]):
                     from .object_upload import abort
 
                     abort(where / upload["Key"][len(where.prefix) :], upload["UploadId"])
@@ -433,7 +452,11 @@ def clean_leftovers(root: str) -> list[str]:
         if record_of(where / name) is not None:
             continue
         objects = list(object_store.listing(where / name))
-        if objects and all(entry["LastModified"] < limit for entry in objects):
+        if (
+            objects
+            and all(ours(entry["Key"][len(where.prefix) :]) for entry in objects)
+            and all(entry["LastModified"] < limit for entry in objects)
+        ):
             doomed += [entry["Key"] for entry in objects]
     object_store.delete(where, doomed)
     removed += doomed

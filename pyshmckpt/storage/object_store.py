@@ -34,7 +34,7 @@ from ..errors import (
 from . import progress
 
 SCHEMES = ("s3",)
-EXTRA = "python -m pip install 'pyshmckpt[s3]' (boto3)"
+EXTRA = "python -m pip install 'pyshmckpt[s3]' (in a clone: '.[s3]'), which installs boto3"
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _ACCESS_CODES = frozenset({
     "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
@@ -53,7 +53,15 @@ T = TypeVar("T")
 @dataclasses.dataclass(frozen=True)
 class ObjectPath:
     """A place in object storage: a bucket and a key (a prefix for a root or a checkpoint,
-    without a trailing slash). Joined with ``/`` like a path; ``str()`` is the URL."""
+    without a trailing slash). Joined with ``/`` like a path; ``str()`` is the URL. A
+    Checkpointer's ``root``, its `latest`, and what its saves' Futures resolve to are these for
+    an ``s3://`` root.
+
+    Attributes:
+        bucket: the bucket's name.
+        key: the key, or key prefix, within the bucket ("" for the bucket itself).
+        scheme: the URL's scheme (``s3``).
+    """
 
     bucket: str
     key: str = ""
@@ -61,6 +69,7 @@ class ObjectPath:
 
     @property
     def url(self) -> str:
+        """The URL, ``s3://bucket/key``."""
         return (
             f"{self.scheme}://{self.bucket}/{self.key}"
             if self.key
@@ -69,10 +78,12 @@ class ObjectPath:
 
     @property
     def name(self) -> str:
+        """The key's last part (a checkpoint's name)."""
         return self.key.rpartition("/")[2]
 
     @property
     def parent(self) -> ObjectPath:
+        """The path one part up (a checkpoint's root)."""
         return dataclasses.replace(self, key=self.key.rpartition("/")[0])
 
     def __truediv__(self, name: str) -> ObjectPath:

@@ -96,9 +96,17 @@ def load(
     (`RestoreError`). Load a checkpoint directory, or ``source="disk"``, to read files without
     the other ranks.
 
+    Object storage (``s3://bucket/prefix``, a Checkpointer's root there, or one checkpoint
+    ``s3://bucket/prefix/name``) is read with parallel ranged GETs, each object on condition
+    that it is still the one its commit record names: each entry straight into the tensor that
+    holds it (``into=`` too), every CRC32C computed from the landed bytes; resharding reads only
+    the entries holding the shards the target needs. A root there is loaded collectively with
+    torch.distributed on several ranks (its newest checkpoint, as rank 0 finds it, on every
+    rank; `RestoreError` on every rank when one of them cannot load it).
+
     Args:
         path: a checkpoint directory, a file in it, or a checkpoint root (the newest checkpoint
-            in memory or on disk, see above).
+            in memory or on disk, see above); or object storage, as above.
         map_location: the device the tensors are placed on (None: the CPU).
         verify: check the CRC32C of every file entry, also those the target does not use.
         allow_pickle: load values that were stored pickled (trusted sources only).
@@ -144,8 +152,10 @@ def load(
             did not take part in the agreement (failed, left, or did not call `load` within
             ``PYSHMCKPT_RESTORE_TIMEOUT``).
         ConfigTypeError: `rank` is not an int, or `path` is not a str or path.
-        UnsupportedLocationError: `path` is a URL (``s3://`` ...), not a local or shared
-            filesystem path (a `NotSupportedError`).
+        UnsupportedLocationError: `path` is a URL other than ``s3://`` (``gs://``,
+            ``https://`` ...), or an ``s3://`` URL a Path collapsed (a `NotSupportedError`).
+        ObjectStoreError: object storage refused or failed a request
+            (`BucketNotFoundError`, `ObjectStoreAccessError`, `ObjectStoreUnavailableError`).
         StagingTimeoutError: with `into`, an overlapped save of this process did not finish
             copying the state within its bound.
     """
@@ -195,9 +205,10 @@ def _load_object(
     verify: bool,
     kwargs: dict[str, Any],
 ) -> Any:
-    """`load` from object storage: a committed checkpoint, or a root's newest, agreed across
-    ranks (rank 0 resolves it, the others take its answer) where torch.distributed runs on
-    several ranks."""
+    """`load` from object storage: a committed checkpoint, or a root's newest. A root loaded
+    with torch.distributed on several ranks is collective: rank 0 finds the newest checkpoint,
+    every rank loads that one (a commit between two ranks' looks never splits them), and every
+    rank learns whether the others could."""
     if source not in restore.SOURCES:
         raise ConfigError(f"source must be one of {restore.SOURCES}, not {source!r}")
     if source == "memory":
@@ -206,12 +217,56 @@ def _load_object(
         )
     import torch.distributed as dist
 
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    if distributed:
-        checkpoint, record = _agree_object(path, process_group)
-    else:
-        checkpoint, record = object_files.resolve(path)
+    initialized = dist.is_available() and dist.is_initialized()
+    me = dist.get_rank() if initialized else 0
+    record = object_commit.record_of(path) if path.key else None
+    if record is not None or not (initialized and dist.get_world_size() > 1):
+        checkpoint, record = (path, record) if record is not None else object_files.resolve(path)
+        return _load_stored(checkpoint, record, rank, me, verify, kwargs)
+    group = process_group if process_group is not None else restore.gloo_group()
+    try:
+        found: tuple[str, Any] = ("", None)
+        if me == 0:
+            try:
+                checkpoint, record = object_files.resolve(path)
+                found = ("found", checkpoint.key)
+            except PyshmckptError as exc:
+                found = ("failed", exc)
+        kind, value = restore.gather_all(group, found)[0]
+        if kind == "failed":
+            raise value
+        checkpoint = dataclasses.replace(path, key=value)
+        result, failure, own = None, None, None
+        try:
+            record = record if me == 0 else object_commit.record_of(checkpoint)
+            if record is None:
+                raise CheckpointNotFoundError(str(checkpoint), "removed before this rank read it")
+            result = _load_stored(checkpoint, record, rank, me, verify, kwargs)
+        except (PyshmckptError, OSError) as exc:
+            failure, own = f"{type(exc).__name__}: {exc}", exc
+        failed = restore.confirm(group, me, failure, False)
+    finally:
+        if process_group is None:
+            dist.destroy_process_group(group)
+        group = None  # not kept alive by an error's traceback (see _load_agreed)
+    if own is not None:
+        raise own
+    if failed:
+        r, (why, _) = min(failed.items())
+        raise RestoreError(f"rank {r} cannot restore {checkpoint}: {why}")
+    return result
+
+
+def _load_stored(
+    checkpoint: ObjectPath,
+    record: dict[str, Any],
+    rank: int | None,
+    me: int,
+    verify: bool,
+    kwargs: dict[str, Any],
+) -> Any:
+    """Load rank `rank`'s files (None: this process's rank `me` where the checkpoint has its
+    files, else rank 0's) of a committed checkpoint in object storage."""
     saved = object_files.ranks(record)
     used = rank if rank is not None else (me if me in saved else 0)
     opened = object_files.open_rank(checkpoint, record, used)
@@ -219,35 +274,6 @@ def _load_object(
         opened, used, verify=verify, memory=False,
         others=(saved, lambda r: object_files.open_rank(checkpoint, record, r)), **kwargs,
     )  # fmt: skip
-
-
-def _agree_object(path: ObjectPath, process_group: Any) -> tuple[ObjectPath, dict[str, Any]]:
-    """Rank 0 resolves `path`; every rank takes its checkpoint (a commit between two ranks'
-    looks never splits them)."""
-    import torch.distributed as dist
-
-    group = process_group if process_group is not None else restore.gloo_group()
-    try:
-        answer: list[Any] = [None]
-        if dist.get_rank() == 0:
-            try:
-                checkpoint, _ = object_files.resolve(path)
-                answer = [("found", checkpoint.key)]
-            except PyshmckptError as exc:
-                answer = [("failed", exc)]
-        dist.broadcast_object_list(answer, src=0, group=group)
-    finally:
-        if process_group is None:
-            dist.destroy_process_group(group)
-        group = None
-    kind, value = answer[0]
-    if kind == "failed":
-        raise value
-    checkpoint = dataclasses.replace(path, key=value)
-    record = object_commit.record_of(checkpoint)
-    if record is None:
-        raise CheckpointNotFoundError(str(checkpoint), "removed before every rank could read it")
-    return checkpoint, record
 
 
 def _load_agreed(

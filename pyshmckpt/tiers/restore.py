@@ -207,7 +207,7 @@ def _agree(
             except OSError as exc:
                 logger.warning("cannot serve this node's memory copies to other nodes: %s", exc)
             mine = mine._replace(offers=offers, server=server.address if server else None)
-        gathered = _all_gather(group, (tuple(mine), wire.new_secret()))
+        gathered = gather_all(group, (tuple(mine), wire.new_secret()))
         views = [_view(v) for v, _ in gathered]
         whose = {v.rank: v.files for v in views}
         secret = str(gathered[0][1])
@@ -222,7 +222,7 @@ def _agree(
             if server is not None:
                 server.serve(wanted, secret, knobs.restore_timeout())
             choice, reason = _fetch_or_open(plan, mine, held, root, source, secret)
-            outcomes = _all_gather(group, (rank, reason))
+            outcomes = gather_all(group, (rank, reason))
             lost = {(r, plan.sources[r][1]): why for r, why in outcomes if why is not None}
             if not lost:
                 return choice
@@ -350,7 +350,7 @@ def _held(root: Path, rank: int) -> tuple[OpenedRank | None, dict[str, Any] | No
 def confirm(group: Any, rank: int, failure: str | None, again: bool) -> dict[int, tuple[str, bool]]:
     """After each rank loaded what `choose` chose: the ranks that failed, why, and whether
     choosing again without their memory copy can do better (collective over `group`)."""
-    gathered = _all_gather(group, (rank, failure, again))
+    gathered = gather_all(group, (rank, failure, again))
     return {int(r): (str(why), bool(retry)) for r, why, retry in gathered if why is not None}
 
 
@@ -408,7 +408,7 @@ def _staged_ns(directory: Path, rank: int) -> int:
     return 0
 
 
-def _all_gather(group: Any, mine: Any) -> list[Any]:
+def gather_all(group: Any, mine: Any) -> list[Any]:
     """Every rank's `mine`.
 
     Raises:

@@ -182,7 +182,9 @@ def load(out: Path, group: dist.ProcessGroup) -> None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         target = {"model": model_sd, "optim": optim_sd}
         if source == "ours":
-            pyshmckpt.load(f"{ours(out)}/step3", into=target)
+            # In object storage, the root: its newest checkpoint, agreed on by the ranks.
+            where = ours(out) if "OURS_URL" in os.environ else f"{ours(out)}/step3"
+            pyshmckpt.load(where, into=target)
         else:
             dcp.load(target, checkpoint_id=str(out / source), process_group=group)
         set_state_dict(

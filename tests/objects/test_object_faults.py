@@ -13,12 +13,11 @@ import time
 
 import pytest
 import torch
-from s3servers import FaultProxy, MotoServer
+from s3servers import FaultProxy, MotoServer, point_at
 
 import pyshmckpt
 from pyshmckpt.storage import object_commit, object_store
 
-from conftest import point_at
 from helpers import SAVE_TIMEOUT, assert_same_tree, bounded_config, child_env, opened, wait_until
 
 pytestmark = pytest.mark.timeout(240)

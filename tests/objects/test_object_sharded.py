@@ -9,12 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from s3servers import FaultProxy
+from s3servers import FaultProxy, point_at
 
 from pyshmckpt import cli
 from pyshmckpt.storage import object_commit, object_store
 
-from conftest import point_at
 from helpers import run_plain, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

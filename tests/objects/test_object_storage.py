@@ -106,7 +106,8 @@ def test_names_replace_and_remove(bucket):
 
 def test_uncommitted_objects_are_not_a_checkpoint(bucket):
     """Objects of a checkpoint whose commit record was never written (a save that died) are
-    invisible to listings, latest and load; a reopened root removes them once abandoned."""
+    invisible to listings, latest and load; a reopened root removes them once abandoned, and
+    nothing else under the root."""
     url = bucket.url()
     with opened(url) as ck:
         ck.save(state(1)).result(SAVE_TIMEOUT)
@@ -114,6 +115,11 @@ def test_uncommitted_objects_are_not_a_checkpoint(bucket):
     client.put_object(Bucket=bucket.name, Key="run/step-00000002/rank0.safetensors", Body=b"torn")
     client.put_object(Bucket=bucket.name, Key="run/step-00000002/rank0.json", Body=b"{}")
     client.create_multipart_upload(Bucket=bucket.name, Key="run/step-00000002/rank0.safetensors")
+    # Not ours, though as old: other data under the root, and an upload of another tool.
+    client.put_object(Bucket=bucket.name, Key="run/data/part-0.parquet", Body=b"theirs")
+    client.put_object(Bucket=bucket.name, Key="run/mixed/rank0.json", Body=b"{}")
+    client.put_object(Bucket=bucket.name, Key="run/mixed/notes.txt", Body=b"theirs")
+    client.create_multipart_upload(Bucket=bucket.name, Key="run/data/part-1.parquet")
     root = object_store.parse(url)
     assert object_commit.committed(root) == [(1, "step-00000001")]
     assert str(object_commit.latest(root)) == f"{url}/step-00000001"
@@ -123,7 +129,9 @@ def test_uncommitted_objects_are_not_a_checkpoint(bucket):
     # moto dates every upload to 2010: with a bound of a day it counts as abandoned.
     with opened(url) as ck:
         ck.save(state(2)).result(SAVE_TIMEOUT)  # after the cleanup, which the writer ran first
-    assert bucket.uploads() == []
+    assert bucket.uploads() == ["run/data/part-1.parquet"]
+    for theirs in ("run/data/part-0.parquet", "run/mixed/rank0.json", "run/mixed/notes.txt"):
+        assert theirs in bucket.keys("run/")
     assert_same_tree(state(2), pyshmckpt.load(url))
 
 

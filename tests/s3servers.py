@@ -1,5 +1,7 @@
-"""A real S3 API server for the tests (moto in server mode on 127.0.0.1, in this process), and a
-proxy in front of it that throttles, delays or drops requests as a troubled service would.
+"""A real S3 API server for the tests (moto in server mode on 127.0.0.1, in this process), a
+proxy in front of it that throttles, delays or drops requests as a troubled service would, and
+the fixtures of the object storage tests (a plugin of tests/conftest.py): one server per test
+process, a bucket of its own per test, the AWS settings pointing at the server.
 
 moto takes parts of any size from 1 KiB (S3 takes 5 MiB), so small states make multipart
 uploads of many parts. The proxy is not a mock of anything: it passes every request it does not
@@ -9,18 +11,19 @@ fault to the server and its answer back, byte for byte.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import http.server
+import itertools
 import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
-os.environ.setdefault("S3_UPLOAD_PART_MIN_SIZE", "1024")  # read by moto when it is imported
-
-from moto.server import ThreadedMotoServer  # noqa: E402
+import pytest
 
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
 
@@ -40,6 +43,9 @@ class MotoServer:
         self.start()
 
     def start(self) -> None:
+        os.environ.setdefault("S3_UPLOAD_PART_MIN_SIZE", "1024")  # read when moto is imported
+        from moto.server import ThreadedMotoServer
+
         for _ in range(50):
             try:
                 server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
@@ -153,3 +159,58 @@ class FaultProxy:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(10)
+
+
+def point_at(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:
+    """The AWS settings of this process (and the writers it starts) for the server at `endpoint`."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+
+
+# -- fixtures (a plugin of tests/conftest.py) ---------------------------------------------
+
+_buckets = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[MotoServer]:
+    server = MotoServer()
+    yield server
+    server.stop()
+
+
+@dataclasses.dataclass
+class Bucket:
+    name: str
+    server: MotoServer
+
+    def url(self, prefix: str = "run") -> str:
+        return f"s3://{self.name}/{prefix}" if prefix else f"s3://{self.name}"
+
+    @property
+    def client(self) -> Any:
+        from pyshmckpt.storage import object_store
+
+        return object_store.client()
+
+    def keys(self, prefix: str = "") -> list[str]:
+        listed = self.client.list_objects_v2(Bucket=self.name, Prefix=prefix)
+        return sorted(entry["Key"] for entry in listed.get("Contents", []))
+
+    def uploads(self) -> list[str]:
+        listed = self.client.list_multipart_uploads(Bucket=self.name)
+        return sorted(entry["Key"] for entry in listed.get("Uploads", []))
+
+
+@pytest.fixture
+def bucket(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Bucket:
+    """A new bucket; parts of 64 KiB, so that small states upload in many parts."""
+    point_at(monkeypatch, moto_server.endpoint)
+    monkeypatch.setenv("PYSHMCKPT_OBJECT_PART_SIZE", str(64 << 10))
+    made = Bucket(f"ckpt-{os.getpid()}-{next(_buckets)}", moto_server)
+    made.client.create_bucket(Bucket=made.name)
+    return made
