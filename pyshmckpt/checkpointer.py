@@ -37,7 +37,16 @@ from .errors import (
 )
 from .shm.native import Segment
 from .staging import SlotStager, guards
-from .storage import commit, liveness, locations, roots, tree_codec, writer_spec
+from .storage import (
+    commit,
+    liveness,
+    locations,
+    mirror,
+    object_commit,
+    roots,
+    tree_codec,
+    writer_spec,
+)
 from .storage.object_store import ObjectPath
 from .tiers import holding, loading, records, replication, takeover, topology
 from .tiers.records import HoldInfo
@@ -112,6 +121,32 @@ def _dying_of_an_exception() -> bool:
 def _clean_exit(error: BaseException) -> bool:
     """Whether `error` ends the program as a success (``sys.exit()``, ``sys.exit(0)``)."""
     return isinstance(error, SystemExit) and error.code in (None, 0)
+
+
+def _mirror_root(mirror: Any, in_objects: bool) -> ObjectPath | None:
+    """The `mirror` argument as an object storage root (None: no mirror)."""
+    if mirror is None:
+        return None
+    if in_objects:
+        raise ConfigError("mirror copies checkpoints of a root on a filesystem to object storage")
+    where = locations.location(mirror, "mirror")
+    if not isinstance(where, ObjectPath):
+        raise ConfigError(
+            f"mirror must be an object storage root (s3://bucket/prefix), not {mirror!r}"
+        )
+    return where
+
+
+def _drain_mirror(process: CheckpointProcess, bound: float) -> None:
+    """Wait (at most `bound` seconds: the write timeout) until the writer has mirrored what it
+    committed."""
+    try:
+        drained = process.call(mirror.drain, timeout=bound).result(timeout=bound + 30)
+    except Exception as exc:  # noqa: BLE001 - the saves stand on the local root
+        logger.warning("waiting for the mirror failed: %s", exc)
+        return
+    if not drained:
+        logger.warning("checkpoints were still being mirrored after %g s", bound)
 
 
 def _log_failure(what: str) -> Any:
@@ -227,6 +262,14 @@ class Checkpointer:
             counts as hung (the writer is killed, the save fails with `WriteStalledError`); a slow
             save that keeps moving is never cut short (None: the config's
             ``write_stall_timeout_secs``, 120 s by default).
+        mirror: an object storage root (``"s3://bucket/prefix"``) every persisted checkpoint
+            is copied to once it is committed under `root`: the writer uploads it in the
+            background (the save's Future resolves at the local commit) and commits it there
+            under the same name, with the same ``keep_last``; `close` waits for the uploads
+            (bounded by the write timeout), and so does a writer whose trainer died. `load`
+            then restores the newest of memory, `root` and the mirror (a new node, whose
+            `root` is empty, from the mirror). A failed upload is logged; the local checkpoint
+            stands.
         overlap: `save` returns once the state is laid out and checked, and its copies run on a
             staging thread (the GIL released for them; CUDA tensors on a side stream after the
             work queued so far) while training goes on. Until they land, the state must not
@@ -239,6 +282,7 @@ class Checkpointer:
 
     Attributes:
         root: the checkpoint root, as given.
+        mirror: the object storage root checkpoints are mirrored to (None: no mirror).
         rank: this process's rank among those that write each checkpoint together.
         world_size: how many ranks write each checkpoint together.
 
@@ -285,6 +329,7 @@ class Checkpointer:
         hold_timeout: float | None = None,
         replicate: bool = False,
         overlap: bool = False,
+        mirror: str | ObjectPath | None = None,
     ) -> None:
         self._closed = True
         self._overlap = bool(overlap)
@@ -319,12 +364,16 @@ class Checkpointer:
             or barrier_timeout <= 0
         ):
             raise ConfigError(f"barrier_timeout must be a positive number, not {barrier_timeout!r}")
+        self.mirror = _mirror_root(mirror, in_objects)
         writer_args = spec.arguments(
             keep_last=keep_last, world_size=self.world_size, barrier_timeout=barrier_timeout,
             allow_pickle=self._allow_pickle, direct_io=direct_io,
+            mirror=None if self.mirror is None else str(self.mirror),
         )  # fmt: skip
         self._root.open(self.rank)
         committed = self._root.committed()  # object storage: the bucket and credentials checked
+        if self.mirror is not None:
+            object_commit.committed(self.mirror)  # the mirror's bucket and credentials checked
         self._run_id = _run_id(run_id, self.world_size, process_group)
         self._attempts = itertools.count(1)
         if hold is None:  # holding the newest checkpoint needs a second slot to stage into
@@ -411,7 +460,7 @@ class Checkpointer:
         # stager's would unlink the slots before the process's finished the saves reading them.
         self._finalizer = weakref.finalize(
             self, Checkpointer._finalize, self._process, self._stager, self._heartbeat,
-            self._hold,
+            self._hold, None if self.mirror is None else self._config.write_timeout_secs or 1800.0,
         )  # fmt: skip
         self._closed = False
 
@@ -748,7 +797,7 @@ class Checkpointer:
         process_group: Any = None,
         missing_ok: bool = False,
     ) -> Any:
-        """Load the newest checkpoint every rank can restore, from memory or disk.
+        """Load the newest checkpoint every rank can restore, from memory, disk or the mirror.
 
         ``pyshmckpt.load(root, ...)`` for this Checkpointer's root and rank: a checkpoint held
         in memory for them (taken over by this Checkpointer, or still held by a writer) when
@@ -781,7 +830,7 @@ class Checkpointer:
         return loading.load(
             self.root, rank=None if distributed else self.rank, into=into,
             map_location=map_location, allow_pickle=self._allow_pickle, source=source,
-            process_group=process_group, missing_ok=missing_ok,
+            process_group=process_group, missing_ok=missing_ok, mirror=self.mirror,
         )  # fmt: skip
 
     def remove(self, name: str) -> Future[None]:
@@ -836,6 +885,8 @@ class Checkpointer:
             records.forget(self._taken)
         self._finalizer.detach()
         try:
+            if self.mirror is not None and not abort:
+                _drain_mirror(self._process, self._config.write_timeout_secs or 1800.0)
             self._process.close(abort=abort)
         finally:
             self._release(keep_slots=False)
@@ -871,6 +922,7 @@ class Checkpointer:
         stager: SlotStager,
         heartbeat: liveness.Heartbeat | None,
         hold: bool,
+        mirrored: float | None = None,
     ) -> None:
         """Finish the pending saves, then free the slots (never raises: at exit or collection).
 
@@ -884,6 +936,8 @@ class Checkpointer:
                 heartbeat.stop(remove=True)
             return
         try:
+            if mirrored is not None:  # the mirror's bound
+                _drain_mirror(process, mirrored)
             process.close()
         except Exception as exc:  # noqa: BLE001 - a finalizer has no caller to raise to
             logger.error("closing the checkpoint writer failed: %s", exc)

@@ -143,11 +143,13 @@ def save(
     barrier_timeout: float = 600.0,
     replace: bool = False,
     link_latest: bool = True,
+    staged_ns: int | None = None,
 ) -> ObjectPath:
     """Upload this rank's `files` of a checkpoint with `upload(path)` (which returns the objects
     it wrote: relative name -> ``{"etag", "size"}``) and commit it as `path` (see the module docstring), then
     update ``latest`` (unless `link_latest` is False) and apply retention. With world_size > 1
-    every rank calls this with the same `path` and `attempt` (``<run>.<number>``).
+    every rank calls this with the same `path` and `attempt` (``<run>.<number>``). `staged_ns`
+    (when the save was staged) goes into the commit record.
 
     Raises:
         PathExistsError: a checkpoint of that name is committed and `replace` is not set.
@@ -166,10 +168,10 @@ def save(
     if world_size > 1:
         if not attempt or "/" in attempt:
             raise CommitError(f"a multi-rank save needs an attempt id, not {attempt!r}")
-        _SharedSave(path, rank, world_size, attempt, barrier_timeout).run(upload, files)
+        _SharedSave(path, rank, world_size, attempt, barrier_timeout).run(upload, files, staged_ns)
     else:
         objects = _upload_or_clean(path, upload, files)
-        _write_record(path, world_size, objects, None)
+        _write_record(path, world_size, objects, None, staged_ns)
     if rank == 0:
         if link_latest:
             sequence = _sequences[str(root)]
@@ -198,7 +200,11 @@ def _upload_or_clean(
 
 
 def _write_record(
-    path: ObjectPath, world_size: int, objects: dict[str, Any], attempt: str | None
+    path: ObjectPath,
+    world_size: int,
+    objects: dict[str, Any],
+    attempt: str | None,
+    staged_ns: int | None,
 ) -> None:
     root = path.parent
     sequence = _next_sequence(root)
@@ -211,6 +217,8 @@ def _write_record(
     }
     if attempt is not None:
         record["attempt"] = attempt
+    if isinstance(staged_ns, int):  # when rank 0 staged it: a restore compares tiers by it
+        record["staged_ns"] = staged_ns
     object_store.put(path / COMMIT_RECORD, json.dumps(record).encode(), create_only=True)
     _sequences[str(root)] = sequence
     logger.debug("committed %s (sequence %d)", path, sequence)
@@ -230,7 +238,7 @@ class _SharedSave:
         self.marker = self.pending / f"rank{rank}.json"
         self.tomb = self.pending / FAILED
 
-    def run(self, upload: Upload, files: tuple[str, ...]) -> None:
+    def run(self, upload: Upload, files: tuple[str, ...], staged_ns: int | None) -> None:
         self._check_tomb()
         deadline = time.monotonic() + (self.timeout if self.rank == 0 else self.timeout * 1.1 + 1.0)
         try:
@@ -247,7 +255,7 @@ class _SharedSave:
             return
         try:
             merged = self._wait_for_ranks(deadline)
-            _write_record(self.path, self.world_size, merged, self.public)
+            _write_record(self.path, self.world_size, merged, self.public, staged_ns)
         except CommitError:
             raise
         except BaseException as exc:

@@ -34,6 +34,7 @@ from . import (
     commit,
     directory_commit,
     file_output,
+    mirror,
     object_commit,
     object_store,
     object_upload,
@@ -187,6 +188,7 @@ def _coalesce(view: memoryview, sources: list[tuple[int, int]]) -> list[memoryvi
     return [view[start : start + size] for start, size in merged]
 
 
+MIRROR_DRAIN = 1800.0  # seconds a closing writer waits for its mirror (a save's write timeout)
 DIRECT_IO_BLOCK = 4096  # O_DIRECT alignment of file offsets, lengths and memory (safe for 512 too)
 DIRECT_IO_CHUNK = 32 << 20  # bytes per O_DIRECT pwrite
 DIRECT_IO_THREADS = 4  # pwrites in flight
@@ -221,8 +223,10 @@ class SafetensorsWriter:
         allow_pickle: bool = False,
         barrier_timeout: float = 600.0,
         direct_io: bool = False,
+        mirror: str | None = None,
     ) -> None:
         self.rank, self.world_size = commit.rank_and_world(rank_info)
+        self.mirror = object_store.parse(mirror) if mirror else None
         self.keep_last = keep_last
         self.allow_pickle = allow_pickle
         self.barrier_timeout = float(barrier_timeout)
@@ -251,9 +255,10 @@ class SafetensorsWriter:
                 barrier_timeout=self.barrier_timeout,
                 replace=bool(kwargs.get("replace", False)),
                 link_latest=bool(kwargs.get("link_latest", True)),
+                staged_ns=kwargs.get("staged_ns"),
             )
             return
-        directory_commit.commit_directory(
+        committed = directory_commit.commit_directory(
             path,
             lambda temp: self._write_files(temp, slot, manifest, tree, kwargs.get("staged_ns")),
             self.keep_last,
@@ -264,9 +269,21 @@ class SafetensorsWriter:
             replace=bool(kwargs.get("replace", False)),
             link_latest=bool(kwargs.get("link_latest", True)),
         )
+        if self.mirror is not None:  # uploaded in the background; the save is answered now
+            mirror.MIRROR.put(
+                committed, file_names(self.rank), self.mirror / committed.name,
+                keep_last=self.keep_last, rank=self.rank, world_size=self.world_size,
+                attempt=kwargs.get("attempt"), barrier_timeout=self.barrier_timeout,
+                replace=bool(kwargs.get("replace", False)),
+                link_latest=bool(kwargs.get("link_latest", True)),
+                staged_ns=kwargs.get("staged_ns"),
+            )  # fmt: skip
 
     def close(self) -> None:
-        """Wait (bounded) for old checkpoints that retention is deleting in the background."""
+        """Wait (bounded) for the checkpoints queued for the mirror, and for old checkpoints
+        that retention is deleting in the background."""
+        if self.mirror is not None and not mirror.drain(MIRROR_DRAIN):
+            logger.warning("checkpoints were still being mirrored after %g s", MIRROR_DRAIN)
         if not commit.wait_for_deletions(60.0):
             logger.warning("old checkpoints were still being deleted after 60 s")
 

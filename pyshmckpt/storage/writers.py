@@ -56,7 +56,7 @@ class WriterSpec:
     `factory` runs in the writer process with ``rank_info=`` and the keyword arguments
     `arguments` returns. `options` are the Checkpointer options it takes beyond ``keep_last``
     (``allow_pickle``: it stores non-plain leaves only when allowed, so the Checkpointer refuses
-    them before staging otherwise; ``direct_io``). `multi_rank`: several ranks can write one
+    them before staging otherwise; ``direct_io``; ``mirror``). `multi_rank`: several ranks can write one
     checkpoint with it (it then also takes ``barrier_timeout``).
     """
 
@@ -74,6 +74,7 @@ class WriterSpec:
         barrier_timeout: float,
         allow_pickle: bool = False,
         direct_io: bool = False,
+        mirror: str | None = None,
     ) -> dict[str, Any]:
         """The factory's keyword arguments; raises for options this writer does not take."""
         if world_size > 1 and not self.multi_rank:
@@ -91,6 +92,10 @@ class WriterSpec:
             args["direct_io"] = bool(direct_io)
         elif direct_io:
             raise ConfigError(f"direct_io applies to the safetensors writer, not {self.name!r}")
+        if "mirror" in self.options:
+            args["mirror"] = mirror
+        elif mirror:
+            raise ConfigError(f"mirror applies to the safetensors writer, not {self.name!r}")
         return args
 
     @property
@@ -117,7 +122,7 @@ def _registry() -> dict[str, WriterSpec]:
             WriterSpec(
                 "safetensors", SafetensorsWriter,
                 "rank<r>.safetensors + rank<r>.json, written straight from shared memory",
-                options=frozenset({"allow_pickle", "direct_io"}),
+                options=frozenset({"allow_pickle", "direct_io", "mirror"}),
             ),
             WriterSpec(
                 "torch", TorchSaveWriter, "torch.save, checkpoint_<r>.pt (torch's CheckpointReader)"

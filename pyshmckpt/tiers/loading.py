@@ -10,7 +10,9 @@ newest, agreed on by every rank.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ def load(
     source: str = "auto",
     process_group: Any = None,
     missing_ok: bool = False,
+    mirror: str | ObjectPath | None = None,
 ) -> Any:
     """Load a checkpoint written by pyshmckpt's safetensors writer.
 
@@ -123,6 +126,10 @@ def load(
             ``"memory"`` (only a checkpoint held in memory) or ``"disk"``.
         process_group: the group ranks agree over (None: a gloo group made for it, bounded by
             ``PYSHMCKPT_RESTORE_TIMEOUT``).
+        mirror: for a checkpoint root, the object storage root its checkpoints are mirrored
+            to (``Checkpointer(root, mirror=...)``): its newest committed checkpoint is a
+            choice too, for every rank (the newest of memory, disk and the mirror is restored;
+            each rank reads it from the nearest place that holds it).
         missing_ok: for a checkpoint root that holds nothing to restore (no rank has a
             checkpoint in memory or on disk, or the root does not exist: a job's first start),
             return None instead of raising `CheckpointNotFoundError`. Every rank agrees on it.
@@ -176,18 +183,23 @@ def load(
                 return None
             raise
     path = where
+    stored = None if mirror is None else locations.location(mirror, "mirror")
+    if stored is not None and not isinstance(stored, ObjectPath):
+        raise ConfigError(f"mirror must be an object storage root (s3://...), not {mirror!r}")
     try:
-        if source in restore.SOURCES and source != "disk" and restore.agreeing(path):
-            return _load_agreed(path, source, process_group, verify, kwargs, rank)
-        opened, memory, rank = _open(path, rank, source, process_group)
+        agreeing = source in restore.SOURCES and (source != "disk" or stored is not None)
+        if agreeing and restore.agreeing(path):
+            return _load_agreed(path, source, process_group, verify, kwargs, rank, stored)
+        opened, memory, rank, others = _open(path, rank, source, process_group, stored)
     except CheckpointNotFoundError:  # found before anything is read or filled
         if missing_ok:
             return None
         raise
     if memory != "unverified":  # from disk, or a memory copy whose every checksum was checked
         return reader.load_opened(
-            opened, rank, verify=verify and not memory, memory=bool(memory), **kwargs
-        )
+            opened, rank, verify=verify and not memory, memory=bool(memory), others=others,
+            **kwargs,
+        )  # fmt: skip
     try:  # one pass over the held bytes: checked as they are copied out
         return reader.load_opened(opened, rank, verify=True, memory=True, **kwargs)
     except CheckpointCorruptError as exc:
@@ -269,11 +281,10 @@ def _load_stored(
     files, else rank 0's) of a committed checkpoint in object storage."""
     saved = object_files.ranks(record)
     used = rank if rank is not None else (me if me in saved else 0)
-    opened = object_files.open_rank(checkpoint, record, used)
+    opener = functools.partial(object_files.open_rank, checkpoint, record)
     return reader.load_opened(
-        opened, used, verify=verify, memory=False,
-        others=(saved, lambda r: object_files.open_rank(checkpoint, record, r)), **kwargs,
-    )  # fmt: skip
+        opener(used), used, verify=verify, memory=False, others=(saved, opener), **kwargs
+    )
 
 
 def _load_agreed(
@@ -283,6 +294,7 @@ def _load_agreed(
     verify: bool,
     kwargs: dict[str, Any],
     files: int | None,
+    mirror: ObjectPath | None = None,
 ) -> Any:
     """`load` of a root by every rank at once: the ranks agree on a checkpoint, each loads its
     part (rank `files`'s files, None: its own), checking a copy from this node's memory as it
@@ -298,21 +310,29 @@ def _load_agreed(
     try:
         while True:
             choice = restore.choose(
-                path, whose, source=source, process_group=group, distrust=distrust, me=rank
-            )
+                path, whose, source=source, process_group=group, distrust=distrust, me=rank,
+                mirror=mirror,
+            )  # fmt: skip
             result, failure, again = None, None, False
             own: BaseException | None = None  # what this rank met, raised as it is
             memory = choice.opened is not None
             used = whose
+            others = None
             try:
                 if choice.opened is not None:
                     opened = choice.opened
+                elif choice.stored is not None:
+                    opened, used, others = _open_stored(
+                        choice.stored, whose if explicit else None, rank
+                    )
                 else:
                     if choice.directory is not None and not explicit:
                         used = _saved_rank(choice.directory, rank)
                     opened = restore.open_choice(choice, used)
                 check = (not choice.verified) if memory else verify
-                result = reader.load_opened(opened, used, verify=check, memory=memory, **kwargs)
+                result = reader.load_opened(
+                    opened, used, verify=check, memory=memory, others=others, **kwargs
+                )
             except CheckpointCorruptError as exc:
                 again = memory and not choice.verified
                 what = f"its memory copy of {choice.name}" if again else choice.name
@@ -339,11 +359,19 @@ def _load_agreed(
         group = None
 
 
+Others = tuple[list[int], Callable[[int], OpenedRank]] | None  # see reader.load_opened
+
+
 def _open(
-    path: str | os.PathLike[str], rank: int | None, source: str, process_group: Any
-) -> tuple[OpenedRank, str, int]:
-    """The rank's files to load, where they are ("" on disk, "verified" or "unverified" in
-    memory: checked already, or to be checked as they are read), and the rank."""
+    path: str | os.PathLike[str],
+    rank: int | None,
+    source: str,
+    process_group: Any,
+    mirror: ObjectPath | None = None,
+) -> tuple[OpenedRank, str, int, Others]:
+    """The rank's files to load, where they are ("" on disk or in the mirror, "verified" or
+    "unverified" in memory: checked already, or to be checked as they are read), the rank, and
+    how to open other ranks' files (None: beside them on disk)."""
     explicit = rank is not None
     if rank is None:
         import torch.distributed as dist
@@ -353,22 +381,40 @@ def _open(
         if source == "memory":
             raise ConfigError("source='memory' needs a checkpoint root, not one checkpoint")
         rank = rank if explicit else _saved_rank(checkpoint_dir(path), rank)
-        return open_rank(path, rank), "", rank
-    if source == "disk":
+        return open_rank(path, rank), "", rank, None
+    if source == "disk" and mirror is None:
         directory = checkpoint_dir(path)
         nothing = directory == Path(path) and not (directory / file_names(0)[1]).exists()
         if nothing and not commit.has_checkpoints(Path(path)):  # damaged ones are not nothing
             raise CheckpointNotFoundError(str(path), "checkpoint missing: none committed")
         rank = rank if explicit else _saved_rank(directory, rank)
-        return open_rank(path, rank), "", rank
+        return open_rank(path, rank), "", rank, None
     choice = restore.choose(
-        path, rank, source=source, process_group=process_group, agree=not explicit
-    )
+        path, rank, source=source, process_group=process_group, agree=not explicit,
+        mirror=mirror,
+    )  # fmt: skip
+    if choice.stored is not None:
+        opened, used, others = _open_stored(choice.stored, rank if explicit else None, rank)
+        return opened, "", used, others
     if choice.opened is None:
         if not explicit and choice.directory is not None:
             rank = _saved_rank(choice.directory, rank)
-        return restore.open_choice(choice, rank), "", rank
-    return choice.opened, "verified" if choice.verified else "unverified", rank
+        return restore.open_choice(choice, rank), "", rank, None
+    return choice.opened, "verified" if choice.verified else "unverified", rank, None
+
+
+def _open_stored(
+    checkpoint: ObjectPath, rank: int | None, me: int
+) -> tuple[OpenedRank, int, Others]:
+    """Rank `rank`'s files (None: `me`'s where the checkpoint has them, else rank 0's) of a
+    committed checkpoint in object storage, and how to open the other ranks'."""
+    record = object_commit.record_of(checkpoint)
+    if record is None:
+        raise CheckpointNotFoundError(str(checkpoint), "removed before it could be read")
+    saved = object_files.ranks(record)
+    used = rank if rank is not None else (me if me in saved else 0)
+    opener = functools.partial(object_files.open_rank, checkpoint, record)
+    return opener(used), used, (saved, opener)
 
 
 def _saved_rank(directory: Path, rank: int) -> int:

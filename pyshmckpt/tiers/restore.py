@@ -38,7 +38,8 @@ from ..errors import (
     RestoreError,
     from_os_error,
 )
-from ..storage import commit, locations
+from ..storage import commit, locations, object_commit
+from ..storage.object_store import ObjectPath
 from ..storage.rank_files import OpenedRank, open_rank
 from ..storage.safetensors_writer import file_names
 from . import peer_restore, records, wire
@@ -68,6 +69,7 @@ class Choice(NamedTuple):
     opened: OpenedRank | None  # from memory
     directory: Path | None  # from disk
     verified: bool = False  # the memory copy's checksums were checked already
+    stored: ObjectPath | None = None  # from the mirror in object storage
 
 
 def is_root(path: str | os.PathLike[str]) -> bool:
@@ -94,6 +96,7 @@ def choose(
     agree: bool = True,
     distrust: dict[int, str] | None = None,
     me: int | None = None,
+    mirror: ObjectPath | None = None,
 ) -> Choice:
     """The checkpoint whose rank `rank` files this process restores from `root` (see the
     module); `me` is this process's rank among those that agree (None: `rank`).
@@ -104,6 +107,9 @@ def choose(
     `distrust` names the ranks (by `me`) whose own memory copy failed that check (and why).
     A writer of (root, rank) that is still finishing what its dead trainer handed it is
     waited for first (``PYSHMCKPT_ORPHAN_WAIT``): the checkpoint it will hold may be the newest.
+    With a `mirror` (object storage the writers copy the root's checkpoints to), its newest
+    committed checkpoint is a choice for every rank too (rank 0 looks it up), read from there
+    by a rank that has it neither in memory nor on disk.
 
     Raises:
         CheckpointNotFoundError: no rank has a checkpoint to restore (from `source`).
@@ -123,7 +129,10 @@ def choose(
         if held is not None:
             held.file.close()
         held, record, status = None, None, distrust[me]
-    options = _options(root, rank, record, source, timed=check or record is not None)
+    looks = mirror is not None and source != "memory" and (me == 0 or not check)
+    stored = _stored(mirror) if looks and mirror is not None else []
+    timed = check or record is not None or mirror is not None
+    options = _options(root, rank, record, source, timed=timed)
     # Nothing at all (a first start), not merely nothing usable: no record, none pending, and
     # nothing of a checkpoint on disk, damaged ones included.
     empty = (
@@ -134,11 +143,12 @@ def choose(
     choice = None
     try:
         if check:
-            mine = View(me, rank, options, status, [], None, empty)
-            choice = _agree(root, mine, held, source, process_group)
+            mine = View(me, rank, options, status, [], None, empty, stored)
+            choice = _agree(root, mine, held, source, process_group, mirror)
         else:
-            plan = _plan(root, source, [View(me, rank, options, status, [], None, empty)], set())
-            choice = _mine(plan, me, rank, held, source, root)
+            view = View(me, rank, options, status, [], None, empty, stored)
+            plan = _plan(root, source, [view], set())
+            choice = _mine(plan, me, rank, held, source, root, mirror)
     finally:
         if held is not None and (choice is None or choice.opened is not held):
             held.file.close()
@@ -179,6 +189,7 @@ class View(NamedTuple):
     offers: list[peer_restore.Offer]
     server: tuple[str, int] | None
     empty: bool  # nothing at all to restore from its source: no record, no checkpoint on disk
+    stored: list[Option] = []  # the mirror's newest checkpoint (rank 0 looks it up)
 
 
 class Plan(NamedTuple):
@@ -191,7 +202,12 @@ class Plan(NamedTuple):
 
 
 def _agree(
-    root: Path, mine: View, held: OpenedRank | None, source: str, process_group: Any
+    root: Path,
+    mine: View,
+    held: OpenedRank | None,
+    source: str,
+    process_group: Any,
+    mirror: ObjectPath | None,
 ) -> Choice:
     """Agree with the other ranks (see the module); copies from other nodes are fetched."""
     import torch.distributed as dist
@@ -221,7 +237,7 @@ def _agree(
             }
             if server is not None:
                 server.serve(wanted, secret, knobs.restore_timeout())
-            choice, reason = _fetch_or_open(plan, mine, held, root, source, secret)
+            choice, reason = _fetch_or_open(plan, mine, held, root, source, secret, mirror)
             outcomes = gather_all(group, (rank, reason))
             lost = {(r, plan.sources[r][1]): why for r, why in outcomes if why is not None}
             if not lost:
@@ -241,13 +257,19 @@ def _agree(
 
 
 def _fetch_or_open(
-    plan: Plan, mine: View, held: OpenedRank | None, root: Path, source: str, secret: str
+    plan: Plan,
+    mine: View,
+    held: OpenedRank | None,
+    root: Path,
+    source: str,
+    secret: str,
+    mirror: ObjectPath | None,
 ) -> tuple[Choice, str | None]:
     """This rank's part of `plan`, and why it failed (None: it did not)."""
     how, by = plan.sources[mine.rank]
     files = mine.files
     if how != "peer":
-        return _mine(plan, mine.rank, files, held, source, root), None
+        return _mine(plan, mine.rank, files, held, source, root, mirror), None
     try:
         record, segment = peer_restore.fetch(
             plan.servers[by], secret, files, knobs.restore_timeout(), name=plan.name
@@ -261,12 +283,21 @@ def _fetch_or_open(
 
 
 def _mine(
-    plan: Plan, me: int, files: int, held: OpenedRank | None, source: str, root: Path
+    plan: Plan,
+    me: int,
+    files: int,
+    held: OpenedRank | None,
+    source: str,
+    root: Path,
+    mirror: ObjectPath | None = None,
 ) -> Choice:
     how, _ = plan.sources[me]
     if how == "memory" and held is not None:
         logger.info("restoring %s (rank %d) from memory", plan.name, files)
         return Choice(plan.name, held, None)
+    if how == "stored" and mirror is not None:
+        logger.info("restoring %s (rank %d) from %s", plan.name, files, mirror)
+        return Choice(plan.name, None, None, stored=mirror / plan.name)
     if source == "memory":
         raise CheckpointCorruptError(str(root), f"rank {files} holds no checkpoint in memory")
     return Choice(plan.name, None, root / plan.name)
@@ -301,16 +332,23 @@ def _plan(root: Path, source: str, views: list[View], failed: set[tuple[int, int
                 if here is None or here[0] == "disk":
                     where[r][offer.name] = ("peer", v.rank)
                 staged[offer.name] = max(staged.get(offer.name, 0), offer.staged_ns)
+    for v in views:  # the mirror, for every rank that has it nowhere nearer
+        for o in v.stored:
+            for names in where.values():
+                names.setdefault(o.name, ("stored", v.rank))
+            staged[o.name] = max(staged.get(o.name, 0), o.staged_ns)
     common = set.intersection(*(set(names) for names in where.values()))
     if not common:
         reasons = "; ".join(f"rank {v.rank}: {v.status}" for v in views)
-        nothing = all(v.empty and not v.offers for v in views)  # a job's first start
+        nothing = all(v.empty and not v.offers and not v.stored for v in views)  # a first start
         raise (CheckpointNotFoundError if nothing else CheckpointCorruptError)(
             str(root),
             f"checkpoint missing: none that every rank can restore from {source} ({reasons})",
         )
     name = max(common, key=lambda n: (staged[n], n))
-    in_memory = {n for names in where.values() for n, (how, _) in names.items() if how != "disk"}
+    in_memory = {
+        n for names in where.values() for n, (how, _) in names.items() if how in ("memory", "peer")
+    }
     newest = max(in_memory, key=lambda n: (staged[n], n)) if in_memory else None
     if newest is not None and staged[newest] > staged[name]:
         status = {v.rank: v.status for v in views}
@@ -429,12 +467,22 @@ def gather_all(group: Any, mine: Any) -> list[Any]:
 
 
 def _view(raw: Any) -> View:
-    rank, files, options, status, offers, server, empty = raw
+    rank, files, options, status, offers, server, empty, stored = raw
     return View(
         int(rank), int(files), [Option(*o) for o in options], str(status),
         [peer_restore.Offer(*o) for o in offers], tuple(server) if server else None,
-        bool(empty),
+        bool(empty), [Option(*o) for o in stored],
     )  # fmt: skip
+
+
+def _stored(mirror: ObjectPath) -> list[Option]:
+    """The mirror's newest committed checkpoint, as an option (none: nothing there)."""
+    newest = object_commit.latest(mirror)
+    record = object_commit.record_of(newest) if newest is not None else None
+    if newest is None or record is None:
+        return []
+    staged = record.get("staged_ns")
+    return [Option(newest.name, staged if type(staged) is int else 0, False)]
 
 
 def open_choice(choice: Choice, rank: int) -> OpenedRank:

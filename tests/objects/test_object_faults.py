@@ -13,12 +13,12 @@ import time
 
 import pytest
 import torch
-from s3servers import FaultProxy, MotoServer, point_at
 
 import pyshmckpt
 from pyshmckpt.storage import object_commit, object_store
 
 from helpers import SAVE_TIMEOUT, assert_same_tree, bounded_config, child_env, opened, wait_until
+from s3servers import FaultProxy, MotoServer, point_at
 
 pytestmark = pytest.mark.timeout(240)
 

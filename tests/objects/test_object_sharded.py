@@ -9,12 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from s3servers import FaultProxy, point_at
 
 from pyshmckpt import cli
 from pyshmckpt.storage import object_commit, object_store
 
 from helpers import run_plain, torchrun
+from s3servers import FaultProxy, point_at
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

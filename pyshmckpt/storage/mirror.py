@@ -1,0 +1,120 @@
+"""A second, remote copy of every persisted checkpoint: ``Checkpointer(root, mirror="s3://...")``.
+
+Runs in the writer process. Once a checkpoint is committed under the local root, the writer
+queues it for the mirror and answers the save: training goes on, and the slot is free. A thread
+of the writer uploads each queued checkpoint in the order they were committed, from the files
+(opened and mapped when queued, so that retention on the local root may delete them
+meanwhile), and commits it in object storage as a save there would be (`object_commit.save`:
+the same name, several ranks meeting in the bucket under the same attempt), then applies the
+mirror's retention. A failed upload is logged and the next one goes on: the local checkpoint
+stands. `drain` waits for the queue (the Checkpointer's `close`, the writer's own close after
+its trainer died), so that a save committed locally is mirrored before the writer exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import object_commit, object_upload, progress
+from .object_store import ObjectPath
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    target: ObjectPath  # the checkpoint in the mirror
+    files: dict[str, tuple[Any, memoryview]]  # name -> (its map, a view of it)
+    options: dict[str, Any]  # object_commit.save's keyword arguments
+
+
+class Mirror:
+    """The writer process's queue of checkpoints to mirror, and the thread that uploads them."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def put(
+        self, directory: Path, files: tuple[str, ...], target: ObjectPath, **options: Any
+    ) -> None:
+        """Queue the committed checkpoint `directory` (this rank's `files` of it) for `target`."""
+        mapped: dict[str, tuple[Any, memoryview]] = {}
+        for name in files:
+            fd = os.open(directory / name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            try:
+                size = os.fstat(fd).st_size
+                region = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
+            finally:
+                os.close(fd)
+            mapped[name] = (region, memoryview(region) if region is not None else memoryview(b""))
+        with self._idle:
+            self._pending += 1
+        self._queue.put(_Job(target, mapped, options))
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="pyshmckpt-mirror", daemon=True
+                )
+                self._thread.start()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait (at most `timeout` seconds) until every queued checkpoint is mirrored or failed;
+        True when none is left. Waiting on a queue that moves is progress (no stall)."""
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(min(left, 1.0))
+                progress.advance()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._mirror(job)
+            except Exception as exc:  # the local checkpoint stands: say so, go on
+                logger.warning("could not mirror %s: %s: %s", job.target, type(exc).__name__, exc)
+            finally:
+                for region, view in job.files.values():
+                    view.release()
+                    if region is not None:
+                        region.close()
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _mirror(self, job: _Job) -> None:
+        def upload(target: ObjectPath) -> dict[str, dict[str, Any]]:
+            out = {}
+            for name, (_, view) in job.files.items():
+                etag, size = object_upload.upload(target / name, [view])
+                out[name] = {"etag": etag, "size": size}
+            return out
+
+        object_commit.save(job.target, upload, files=tuple(job.files), **job.options)
+        logger.info("mirrored %s", job.target)
+
+
+MIRROR = Mirror()
+
+
+def drain(timeout: float = 1800.0) -> bool:
+    """`Mirror.drain` of this writer process's mirror (a call the Checkpointer makes)."""
+    return MIRROR.drain(timeout)
