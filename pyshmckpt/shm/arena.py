@@ -686,8 +686,10 @@ class Arena:
                     # Releases notify at once; dropped references are noticed on the next check.
                     self._cond.wait(min(remaining, 0.005) if remaining > 0 else 0.005)
                     continue
-            collected = time.monotonic()
             gc.collect()  # outside the lock: finalizers it runs may close or release slots
+            # From its end: a collection slower than the interval (a large heap) must not start
+            # the next one at once, forever, past the deadline.
+            collected = time.monotonic()
 
     def find(self, staged_id: int) -> list[Slot]:
         """The slots (READY or WRITING) whose staged state dict had this id.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import shutil
 import subprocess
 import sys
@@ -110,6 +111,27 @@ def test_ready_slot_is_reclaimed_once_its_tensors_are_dropped(arena):
         arena.acquire(2, timeout=0)
     del view
     assert arena.acquire(2, timeout=0) is slot
+
+
+def test_a_slow_collection_does_not_wait_past_the_deadline(arena, monkeypatch):
+    """A garbage collection slower than the interval between two (a process with a large heap)
+    still lets acquire give up at its deadline."""
+    slot = arena.acquire(0, timeout=0)
+    held = slot.base(torch.float32)[:8]  # keeps the READY slot
+    arena.transition(slot, SlotState.READY)
+    arena.acquire(1, timeout=0)
+    real = gc.collect
+
+    def slow(*args):
+        time.sleep(0.6)  # longer than the interval between two collections
+        return real(*args)
+
+    monkeypatch.setattr(gc, "collect", slow)
+    started = time.monotonic()
+    with pytest.raises(SlotsBusyError):
+        arena.acquire(2, timeout=0.1)
+    assert time.monotonic() - started < 10
+    del held
 
 
 def test_storage_object_reference_keeps_the_slot(arena):
