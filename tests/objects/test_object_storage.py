@@ -144,17 +144,27 @@ def test_a_missing_root_is_nothing_to_restore(bucket):
         assert ck.latest() is None
 
 
-def test_command_line_verifies_and_inspects(bucket):
+def test_command_line_verifies_and_inspects(bucket, tmp_path):
     with opened(bucket.url()) as ck:
         ck.save(state(1)).result(SAVE_TIMEOUT)
     run = [sys.executable, "-m", "pyshmckpt"]
     verified = subprocess.run(
-        [*run, "verify", bucket.url()], env=child_env(), capture_output=True, text=True, timeout=60
+        [*run, "verify", bucket.url()],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
     )
     assert verified.returncode == 0, verified.stderr
     assert "every checksum matches" in verified.stdout
     shown = subprocess.run(
-        [*run, "inspect", bucket.url()], env=child_env(), capture_output=True, text=True, timeout=60
+        [*run, "inspect", bucket.url()],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
     )
     assert shown.returncode == 0, shown.stderr
     assert "in storage step-00000001" in shown.stdout
@@ -165,7 +175,12 @@ def test_command_line_verifies_and_inspects(bucket):
     data[-3] ^= 0xFF
     bucket.client.put_object(Bucket=bucket.name, Key=key, Body=bytes(data))
     broken = subprocess.run(
-        [*run, "verify", bucket.url()], env=child_env(), capture_output=True, text=True, timeout=60
+        [*run, "verify", bucket.url()],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
     )
     assert broken.returncode == 1
     assert "CORRUPT" in broken.stderr
