@@ -164,6 +164,9 @@ def _new_client() -> Any:
         request_checksum_calculation="when_required",  # parts carry our own CRC32C
         response_checksum_validation="when_required",  # entries are checked against theirs
         tcp_keepalive=True,
+        # Parts carry their CRC32C, which the service checks: no SHA-256 of every body for the
+        # signature (botocore skips it only for checksums it adds itself).
+        s3={"payload_signing_enabled": False},
     )
     return boto3.session.Session().client("s3", config=config)
 
