@@ -12,7 +12,7 @@ from ..errors import PickleNotAllowedError
 from ..staging.dtensors import ShardInfo
 from . import locations, object_files, tree_codec
 from .object_store import ObjectPath
-from .rank_files import check_crcs, mapped_rank, ranks, tensors_of
+from .rank_files import check_crcs, mapped_opened, mapped_rank, ranks, tensors_of
 from .safetensors_writer import file_names
 
 
@@ -29,14 +29,8 @@ def _mapped(
     checkpoint, record = object_files.resolve(where)
     stored = object_files.open_rank(checkpoint, record, rank)
     stored.remote.fetch_all()
-    _, st_path, described, header, mapped, f, _ = stored
-    f.close()
-    view = memoryview(mapped)
-    try:
-        yield st_path, described, header, view
-    finally:
-        view.release()
-        mapped.close()
+    with mapped_opened(stored) as opened:
+        yield opened
 
 
 def pinned(path: str | os.PathLike[str] | ObjectPath) -> str | os.PathLike[str] | ObjectPath:

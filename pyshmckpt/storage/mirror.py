@@ -47,9 +47,10 @@ class Mirror:
         self._lock = threading.Lock()
 
     def put(
-        self, directory: Path, files: tuple[str, ...], target: ObjectPath, **options: Any
+        self, directory: Path, target: ObjectPath, *, files: tuple[str, ...], **options: Any
     ) -> None:
-        """Queue the committed checkpoint `directory` (this rank's `files` of it) for `target`."""
+        """Queue the committed checkpoint `directory` (this rank's `files` of it) for `target`;
+        `options` are `object_commit.save`'s."""
         mapped: dict[str, tuple[Any, memoryview]] = {}
         for name in files:
             fd = os.open(directory / name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)

@@ -328,7 +328,14 @@ def mapped_rank(
 ) -> Iterator[tuple[Path, Any, Any, memoryview]]:
     """A rank's data file path, manifest, header and a view of the file's map, unmapped at the
     end (tensors made from the view must be gone by then)."""
-    _, st_path, described, header, mapped, f, _ = open_rank(path, rank)
+    with mapped_opened(open_rank(path, rank)) as mapped:
+        yield mapped
+
+
+@contextlib.contextmanager
+def mapped_opened(opened: OpenedRank) -> Iterator[tuple[Path, Any, Any, memoryview]]:
+    """`mapped_rank` of a rank's files already open (their bytes all there)."""
+    _, st_path, described, header, mapped, f, _ = opened
     f.close()
     view = memoryview(mapped)
     try:

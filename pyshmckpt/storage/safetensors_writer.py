@@ -241,43 +241,34 @@ class SafetensorsWriter:
 
     def write_slot(self, path: str, slot: SlotMapping, manifest: Manifest, **kwargs: Any) -> None:
         tree = tree_codec.encode(manifest.tree, allow_pickle=self.allow_pickle)
+        staged_ns = kwargs.get("staged_ns")
+        commit_options: dict[str, Any] = {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "attempt": kwargs.get("attempt"),
+            "barrier_timeout": self.barrier_timeout,
+            "replace": bool(kwargs.get("replace", False)),
+            "link_latest": bool(kwargs.get("link_latest", True)),
+        }
+        stored = dict(commit_options, files=file_names(self.rank), staged_ns=staged_ns)
         if object_store.is_url(str(path)):
             object_commit.save(
                 object_store.parse(str(path)),
-                lambda target: self._upload_files(
-                    target, slot, manifest, tree, kwargs.get("staged_ns")
-                ),
+                lambda target: self._upload_files(target, slot, manifest, tree, staged_ns),
                 self.keep_last,
-                files=file_names(self.rank),
-                rank=self.rank,
-                world_size=self.world_size,
-                attempt=kwargs.get("attempt"),
-                barrier_timeout=self.barrier_timeout,
-                replace=bool(kwargs.get("replace", False)),
-                link_latest=bool(kwargs.get("link_latest", True)),
-                staged_ns=kwargs.get("staged_ns"),
+                **stored,
             )
             return
         committed = directory_commit.commit_directory(
             path,
-            lambda temp: self._write_files(temp, slot, manifest, tree, kwargs.get("staged_ns")),
+            lambda temp: self._write_files(temp, slot, manifest, tree, staged_ns),
             self.keep_last,
-            rank=self.rank,
-            world_size=self.world_size,
-            attempt=kwargs.get("attempt"),
-            barrier_timeout=self.barrier_timeout,
-            replace=bool(kwargs.get("replace", False)),
-            link_latest=bool(kwargs.get("link_latest", True)),
+            **commit_options,
         )
         if self.mirror is not None:  # uploaded in the background; the save is answered now
             mirror.MIRROR.put(
-                committed, file_names(self.rank), self.mirror / committed.name,
-                keep_last=self.keep_last, rank=self.rank, world_size=self.world_size,
-                attempt=kwargs.get("attempt"), barrier_timeout=self.barrier_timeout,
-                replace=bool(kwargs.get("replace", False)),
-                link_latest=bool(kwargs.get("link_latest", True)),
-                staged_ns=kwargs.get("staged_ns"),
-            )  # fmt: skip
+                committed, self.mirror / committed.name, keep_last=self.keep_last, **stored
+            )
 
     def close(self) -> None:
         """Wait (bounded) for the checkpoints queued for the mirror, and for old checkpoints

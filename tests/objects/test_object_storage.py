@@ -147,25 +147,17 @@ def test_a_missing_root_is_nothing_to_restore(bucket):
 def test_command_line_verifies_and_inspects(bucket, tmp_path):
     with opened(bucket.url()) as ck:
         ck.save(state(1)).result(SAVE_TIMEOUT)
-    run = [sys.executable, "-m", "pyshmckpt"]
-    verified = subprocess.run(
-        [*run, "verify", bucket.url()],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-    )
+
+    def command(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "pyshmckpt", *args], env=child_env(), capture_output=True,
+            text=True, timeout=60, cwd=tmp_path,
+        )  # fmt: skip
+
+    verified = command("verify", bucket.url())
     assert verified.returncode == 0, verified.stderr
     assert "every checksum matches" in verified.stdout
-    shown = subprocess.run(
-        [*run, "inspect", bucket.url()],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-    )
+    shown = command("inspect", bucket.url())
     assert shown.returncode == 0, shown.stderr
     assert "in storage step-00000001" in shown.stdout
     assert "model.w" in shown.stdout
@@ -174,14 +166,7 @@ def test_command_line_verifies_and_inspects(bucket, tmp_path):
     data = bytearray(bucket.client.get_object(Bucket=bucket.name, Key=key)["Body"].read())
     data[-3] ^= 0xFF
     bucket.client.put_object(Bucket=bucket.name, Key=key, Body=bytes(data))
-    broken = subprocess.run(
-        [*run, "verify", bucket.url()],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-    )
+    broken = command("verify", bucket.url())
     assert broken.returncode == 1
     assert "CORRUPT" in broken.stderr
     assert "changed after its checkpoint was committed" in broken.stderr
