@@ -42,7 +42,7 @@ from .storage import (
     liveness,
     locations,
     mirror,
-    object_commit,
+    object_store,
     roots,
     tree_codec,
     writer_spec,
@@ -373,7 +373,7 @@ class Checkpointer:
         self._root.open(self.rank)
         committed = self._root.committed()  # object storage: the bucket and credentials checked
         if self.mirror is not None:
-            object_commit.committed(self.mirror)  # the mirror's bucket and credentials checked
+            object_store.check(self.mirror)  # the mirror's bucket and credentials
         self._run_id = _run_id(run_id, self.world_size, process_group)
         self._attempts = itertools.count(1)
         if hold is None:  # holding the newest checkpoint needs a second slot to stage into
@@ -520,9 +520,6 @@ class Checkpointer:
             staged_ns=staged_ns, persisted=persisted, timeout=self._hold_timeout,
             agent=self._agent, allow_pickle=self._allow_pickle,
         )  # fmt: skip
-
-    def _committed(self) -> list[tuple[int, str]]:
-        return self._root.committed()
 
     def save(
         self,

@@ -40,11 +40,10 @@ class Mirror:
     """The writer process's queue of checkpoints to mirror, and the thread that uploads them."""
 
     def __init__(self) -> None:
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._idle = threading.Condition()
+        self._queue: queue.Queue[_Job] = queue.Queue()
+        self._idle = threading.Condition()  # guards _pending and _thread
         self._pending = 0
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
 
     def put(
         self, directory: Path, target: ObjectPath, *, files: tuple[str, ...], **options: Any
@@ -62,8 +61,7 @@ class Mirror:
             mapped[name] = (region, memoryview(region) if region is not None else memoryview(b""))
         with self._idle:
             self._pending += 1
-        self._queue.put(_Job(target, mapped, options))
-        with self._lock:
+            self._queue.put(_Job(target, mapped, options))
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="pyshmckpt-mirror", daemon=True
@@ -86,8 +84,6 @@ class Mirror:
     def _run(self) -> None:
         while True:
             job = self._queue.get()
-            if job is None:
-                return
             try:
                 self._mirror(job)
             except Exception as exc:  # the local checkpoint stands: say so, go on

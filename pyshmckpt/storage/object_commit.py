@@ -48,7 +48,7 @@ from ..errors import CommitError, CommitTimeoutError, ObjectStoreError, os_error
 from . import object_store, progress, run_names
 from .commit import COMMIT_RECORD, LATEST, check_name
 from .object_store import ObjectPath
-from .shared_commit import public_attempt, run_of
+from .shared_commit import number_of, public_attempt, run_of
 
 logger = logging.getLogger(__name__)
 
@@ -93,25 +93,39 @@ def names(root: ObjectPath) -> list[str]:
     return out
 
 
-def committed(root: ObjectPath) -> list[tuple[int, str]]:
-    """(sequence, name) of every committed checkpoint under `root`, oldest first."""
+def _records(root: ObjectPath) -> list[tuple[int, str, dict[str, Any]]]:
+    """(sequence, name, commit record) of every committed checkpoint under `root`, oldest
+    first."""
     found = names(root)
     with ThreadPoolExecutor(max(1, min(16, len(found)))) as pool:
         records = list(pool.map(lambda name: record_of(root / name), found))
-    return sorted((r["sequence"], name) for name, r in zip(found, records, strict=True) if r)
+    listed = [(r["sequence"], name, r) for name, r in zip(found, records, strict=True) if r]
+    return sorted(listed, key=lambda entry: entry[:2])
 
 
-def latest(root: ObjectPath) -> ObjectPath | None:
+def committed(root: ObjectPath) -> list[tuple[int, str]]:
+    """(sequence, name) of every committed checkpoint under `root`, oldest first."""
+    return [(sequence, name) for sequence, name, _ in _records(root)]
+
+
+def newest(root: ObjectPath) -> tuple[ObjectPath, dict[str, Any]] | None:
     """The checkpoint ``latest`` names when it is committed, else the newest committed one by
-    commit sequence; None when there is none."""
+    commit sequence, with its commit record; None when there is none."""
     pointer = _latest_pointer(root)
     if pointer is not None:
         name = pointer.get("name")
         if isinstance(name, str) and name and "/" not in name and not name.startswith("."):
-            if record_of(root / name) is not None:
-                return root / name
-    newest = committed(root)
-    return root / newest[-1][1] if newest else None
+            record = record_of(root / name)
+            if record is not None:
+                return root / name, record
+    listed = _records(root)
+    return (root / listed[-1][1], listed[-1][2]) if listed else None
+
+
+def latest(root: ObjectPath) -> ObjectPath | None:
+    """The checkpoint `newest` finds (None: none)."""
+    found = newest(root)
+    return found[0] if found is not None else None
 
 
 def _latest_pointer(root: ObjectPath) -> dict[str, Any] | None:
@@ -231,8 +245,7 @@ class _SharedSave:
         self, path: ObjectPath, rank: int, world_size: int, attempt: str, timeout: float
     ) -> None:
         self.path, self.rank, self.world_size, self.timeout = path, rank, world_size, timeout
-        self.run_id = run_of(attempt)
-        self.number = attempt.rpartition(".")[2]
+        self.run_id, self.number = run_of(attempt), number_of(attempt)
         self.public = public_attempt(attempt)
         self.pending = pending_path(path, attempt)
         self.marker = self.pending / f"rank{rank}.json"
@@ -323,25 +336,22 @@ class _SharedSave:
     def _remove_markers(self) -> None:
         """This attempt's markers, and what the run's earlier attempts that died left: their
         markers, tombstones and (when never committed) their checkpoints' objects."""
+        root = self.path.parent
         doomed = [entry["Key"] for entry in object_store.listing(self.pending)]
-        mine = run_names.tag(self.run_id, "object", self.number)
-        for entry in object_store.listing(self.path.parent / PENDING):
-            parts = entry["Key"][len((self.path.parent / PENDING).prefix) :].split("/")
-            if len(parts) != 3 or parts[1] == f"{self.number}.{mine}":
+        for entry in object_store.listing(root / PENDING):
+            parts = entry["Key"][len((root / PENDING).prefix) :].split("/")
+            if len(parts) != 3:
                 continue
-            number = parts[1].partition(".")[0]
-            if (
-                number.isdigit()
-                and int(number) < int(self.number)
-                and parts[1] == (f"{number}.{run_names.tag(self.run_id, 'object', number)}")
-            ):
+            name, attempt, _ = parts
+            number = attempt.partition(".")[0]
+            earlier = number.isdigit() and int(number) < int(self.number)
+            if earlier and attempt == _attempt_name(self.run_id, number):  # only this run's
                 doomed.append(entry["Key"])
-                if record_of(self.path.parent / parts[0]) is None:
-                    root = self.path.parent
+                if record_of(root / name) is None:
                     doomed += [
-                        entry["Key"]
-                        for entry in object_store.listing(root / parts[0])
-                        if ours(entry["Key"][len(root.prefix) :])
+                        listed["Key"]
+                        for listed in object_store.listing(root / name)
+                        if ours(listed["Key"][len(root.prefix) :])
                     ]
         with contextlib.suppress(ObjectStoreError):
             object_store.delete(self.path, sorted(set(doomed)))
@@ -355,10 +365,14 @@ def _parsed(raw: bytes | None) -> dict[str, Any] | None:
     return None
 
 
+def _attempt_name(run: str, number: str) -> str:
+    """How the bucket names the run's attempt `number`: under the run's secret."""
+    return f"{number}.{run_names.tag(run, 'object', number)}"
+
+
 def pending_path(path: ObjectPath, attempt: str) -> ObjectPath:
-    """Where the ranks of `attempt` meet for checkpoint `path`: named under the run's secret."""
-    run, number = run_of(attempt), attempt.rpartition(".")[2]
-    return path.parent / PENDING / path.name / f"{number}.{run_names.tag(run, 'object', number)}"
+    """Where the ranks of `attempt` meet for checkpoint `path`."""
+    return path.parent / PENDING / path.name / _attempt_name(run_of(attempt), number_of(attempt))
 
 
 def bury(tomb: ObjectPath, reason: str) -> None:

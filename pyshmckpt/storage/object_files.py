@@ -49,11 +49,19 @@ def resolve(path: ObjectPath) -> tuple[ObjectPath, dict[str, Any]]:
     record = object_commit.record_of(path) if path.key else None
     if record is not None:
         return path, record
-    newest = object_commit.latest(path)
-    record = object_commit.record_of(newest) if newest is not None else None
-    if newest is None or record is None:
-        raise CheckpointNotFoundError(str(path), "checkpoint missing: none committed there")
-    return newest, record
+    return newest(path)
+
+
+def newest(root: ObjectPath) -> tuple[ObjectPath, dict[str, Any]]:
+    """The newest committed checkpoint under `root` and its commit record.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed there.
+    """
+    found = object_commit.newest(root)
+    if found is None:
+        raise CheckpointNotFoundError(str(root), "checkpoint missing: none committed there")
+    return found
 
 
 def ranks(record: dict[str, Any]) -> list[int]:

@@ -283,6 +283,14 @@ def put(path: ObjectPath, data: bytes, *, create_only: bool = False) -> str:
     return str(answer.get("ETag", ""))
 
 
+def check(path: ObjectPath) -> None:
+    """One listing request below `path`: raises what the service says of the bucket and the
+    credentials (`BucketNotFoundError`, `ObjectStoreAccessError` ...)."""
+    call(
+        path, "listing", client().list_objects_v2, Bucket=path.bucket, Prefix=path.prefix, MaxKeys=1
+    )
+
+
 def listing(path: ObjectPath, *, delimiter: bool = False) -> Iterator[dict[str, Any]]:
     """Every object below `path` (``{"Key", "Size", "LastModified", "ETag"}``), or with
     `delimiter` also the names directly below it (``{"Prefix"}`` entries), page by page."""

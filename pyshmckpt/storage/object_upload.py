@@ -1,6 +1,6 @@
 """Bytes in memory to one object: a multipart upload whose parts are views of the caller's
 memory (the slot, or a map of a file), several in flight, each with its CRC32C for the service to
-check; one conditional-free PUT for what fits one part. A failed upload is aborted, so no part of
+check; one PUT for what fits one part. A failed upload is aborted, so no part of
 it is left billed; what an abort cannot reach (the process died) the root's cleanup removes
 (`object_commit.clean_leftovers`).
 """

@@ -62,10 +62,11 @@ def run_of(attempt: str) -> str:
 def public_attempt(attempt: str) -> str:
     """How the root names an attempt (``commit.json``, logs): the run's public label and the
     save's number, never the run's secret."""
-    return f"{run_names.label(run_of(attempt))}.{_number_of(attempt)}"
+    return f"{run_names.label(run_of(attempt))}.{number_of(attempt)}"
 
 
-def _number_of(attempt: str) -> str:
+def number_of(attempt: str) -> str:
+    """The save's number in an attempt id (``<run>.<number>``)."""
     run, _, number = attempt.rpartition(".")
     return number if run else ""
 
@@ -99,7 +100,7 @@ class SharedCommit:
         self.final, self.root, self.name = final, final.parent, final.name
         self.rank, self.world_size, self.attempt, self.timeout = rank, world_size, attempt, timeout
         self.replace = replace
-        self.run_id, self.number = run_of(attempt), _number_of(attempt)
+        self.run_id, self.number = run_of(attempt), number_of(attempt)
         self.public = public_attempt(attempt)
         self.temp = self.root / f"{TMP_PREFIX}{final.name}-{self._suffix('tmp', self.number)}"
         self.tomb = self.root / f"{FAILED_PREFIX}{final.name}-{self._suffix('failed', self.number)}"

@@ -233,14 +233,14 @@ def _load_object(
     me = dist.get_rank() if initialized else 0
     record = object_commit.record_of(path) if path.key else None
     if record is not None or not (initialized and dist.get_world_size() > 1):
-        checkpoint, record = (path, record) if record is not None else object_files.resolve(path)
+        checkpoint, record = (path, record) if record is not None else object_files.newest(path)
         return _load_stored(checkpoint, record, rank, me, verify, kwargs)
     group = process_group if process_group is not None else restore.gloo_group()
     try:
         found: tuple[str, Any] = ("", None)
         if me == 0:
             try:
-                checkpoint, record = object_files.resolve(path)
+                checkpoint, record = object_files.newest(path)
                 found = ("found", checkpoint.key)
             except PyshmckptError as exc:
                 found = ("failed", exc)
@@ -278,13 +278,9 @@ def _load_stored(
     kwargs: dict[str, Any],
 ) -> Any:
     """Load rank `rank`'s files (None: this process's rank `me` where the checkpoint has its
-    files, else rank 0's) of a committed checkpoint in object storage."""
-    saved = object_files.ranks(record)
-    used = rank if rank is not None else (me if me in saved else 0)
-    opener = functools.partial(object_files.open_rank, checkpoint, record)
-    return reader.load_opened(
-        opener(used), used, verify=verify, memory=False, others=(saved, opener), **kwargs
-    )
+    files, else rank 0's) of a committed checkpoint in object storage (its record `record`)."""
+    opened, used, others = _open_stored(checkpoint, rank, me, record)
+    return reader.load_opened(opened, used, verify=verify, memory=False, others=others, **kwargs)
 
 
 def _load_agreed(
@@ -404,11 +400,12 @@ def _open(
 
 
 def _open_stored(
-    checkpoint: ObjectPath, rank: int | None, me: int
+    checkpoint: ObjectPath, rank: int | None, me: int, record: dict[str, Any] | None = None
 ) -> tuple[OpenedRank, int, Others]:
     """Rank `rank`'s files (None: `me`'s where the checkpoint has them, else rank 0's) of a
-    committed checkpoint in object storage, and how to open the other ranks'."""
-    record = object_commit.record_of(checkpoint)
+    committed checkpoint in object storage (its commit record read unless given), and how to
+    open the other ranks'."""
+    record = record if record is not None else object_commit.record_of(checkpoint)
     if record is None:
         raise CheckpointNotFoundError(str(checkpoint), "removed before it could be read")
     saved = object_files.ranks(record)

@@ -477,12 +477,12 @@ def _view(raw: Any) -> View:
 
 def _stored(mirror: ObjectPath) -> list[Option]:
     """The mirror's newest committed checkpoint, as an option (none: nothing there)."""
-    newest = object_commit.latest(mirror)
-    record = object_commit.record_of(newest) if newest is not None else None
-    if newest is None or record is None:
+    found = object_commit.newest(mirror)
+    if found is None:
         return []
+    checkpoint, record = found
     staged = record.get("staged_ns")
-    return [Option(newest.name, staged if type(staged) is int else 0, False)]
+    return [Option(checkpoint.name, staged if type(staged) is int else 0, False)]
 
 
 def open_choice(choice: Choice, rank: int) -> OpenedRank:
