@@ -835,7 +835,10 @@ class Checkpointer:
 
         The removal runs after every save handed over before this call (a pending save of that
         name is committed, then removed), and happens even if the trainer dies first. The
-        checkpoint vanishes atomically (renamed to a hidden name, then deleted).
+        checkpoint vanishes atomically (renamed to a hidden name, then deleted). With a
+        `mirror`, it is removed from the mirror too, in the background once the uploads queued
+        before it are done (the Future resolves at the local removal; `close` waits for the
+        mirror's; a failure there is logged).
 
         Args:
             name: the checkpoint's directory name under the root.
@@ -856,6 +859,10 @@ class Checkpointer:
         if self._closed:
             raise ClosedError("Checkpointer is closed")
         commit.check_name(name)
+        if self.mirror is not None:  # and from the mirror, behind the uploads queued before it
+            return self._process.call(
+                mirror.remove_checkpoint, root=str(self.root), name=name, mirror=str(self.mirror)
+            )
         return self._process.call(self._root.remover, root=str(self.root), name=name)
 
     def close(self, abort: bool = False) -> None:

@@ -5,7 +5,9 @@
 Each checkpoint path Lightning picks (``epoch=0-step=4.ckpt``, ``last.ckpt``) becomes a
 pyshmckpt checkpoint directory of that name, written by a writer process per directory of
 checkpoints: ``save_checkpoint`` returns once the state is staged in shared memory and the
-training loop goes on while the write persists and commits. Lightning's checkpoint dict carries
+training loop goes on while the write persists and commits. A path may also be in object
+storage (``s3://bucket/run/last.ckpt``: a checkpoint of that name under the root
+``s3://bucket/run``), and a local ``dirpath`` can be mirrored there (``mirror=``). Lightning's checkpoint dict carries
 hyper-parameters, callback and loop state, which may be any objects: leaves that are not plain
 data are pickled, as Lightning's own format pickles everything (``load_checkpoint`` unpickles
 them unless Lightning asks for ``weights_only=True``). Tensors are stored as safetensors, so
@@ -32,6 +34,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from ..checkpointer import Checkpointer
 from ..errors import (
     CheckpointCorruptError,
+    ConfigError,
     ConfigTypeError,
     NotSupportedError,
     PyshmckptError,
@@ -39,7 +42,7 @@ from ..errors import (
     as_writer_error,
     from_os_error,
 )
-from ..storage import commit, locations, writer_spec
+from ..storage import commit, locations, object_commit, writer_spec
 from ..storage.object_store import ObjectPath
 from ..tiers import load
 
@@ -56,7 +59,13 @@ class ShmCheckpointIO(CheckpointIO):
     Args:
         dirpath: the directory checkpoints go to (ModelCheckpoint's ``dirpath``), when known:
             its writer process starts now, in the background, instead of at the first save
-            (whose write then waits for the writer to start). Other directories work as well.
+            (whose write then waits for the writer to start). Other directories work as well,
+            and so do ``s3://`` prefixes (as `Checkpointer` roots).
+        mirror: an object storage root (``s3://bucket/prefix``) that every checkpoint saved
+            under the local `dirpath` is copied to in the background once it is durable, under
+            the same name (``Checkpointer(dirpath, mirror=...)``); a checkpoint removed there is
+            removed from the mirror too. `load_checkpoint` of a path under `dirpath` that is
+            not on this node's disk (a new node) reads the mirror's copy. Needs `dirpath`.
         write_timeout: seconds ``load_checkpoint`` waits for a pending write of its path before
             raising (``teardown`` waits for each write up to the writer's own write timeout,
             ``config.write_timeout_secs``).
@@ -73,10 +82,13 @@ class ShmCheckpointIO(CheckpointIO):
 
     Raises:
         ConfigTypeError: ``write_timeout`` is not a number, or ``dirpath`` not a path.
-        NotSupportedError: an option other than those above, a writer that is not a
-            safetensors writer, or a ``dirpath`` that is a URL.
-        ConfigError: an unknown writer, or (with ``dirpath``, on global rank 0) an option
-            value a `Checkpointer` refuses.
+        NotSupportedError: an option other than those above, or a writer that is not a
+            safetensors writer.
+        UnsupportedLocationError: ``dirpath`` or ``mirror`` is a URL pyshmckpt does not
+            write (``gs://``, ``https://``), or ``s3://`` without the s3 extra.
+        ConfigError: an unknown writer, a ``mirror`` without a local ``dirpath`` or not in
+            object storage, or (with ``dirpath``, on global rank 0) an option value a
+            `Checkpointer` refuses.
         PyshmckptOSError: (with ``dirpath``, on global rank 0) ``dirpath`` cannot be created or
             written.
     """
@@ -85,6 +97,7 @@ class ShmCheckpointIO(CheckpointIO):
         self,
         dirpath: str | os.PathLike[str] | None = None,
         *,
+        mirror: str | None = None,
         write_timeout: float = 600.0,
         **checkpointer_options: Any,
     ) -> None:
@@ -102,11 +115,12 @@ class ShmCheckpointIO(CheckpointIO):
             raise NotSupportedError("ShmCheckpointIO needs a safetensors writer (load reads it)")
         self._options = {"allow_pickle": True, **checkpointer_options}
         self._write_timeout = float(write_timeout)
-        self._checkpointers: dict[Path, Checkpointer] = {}
-        self._pending: dict[Path, Future[Path | ObjectPath]] = {}
+        self._checkpointers: dict[Path | ObjectPath, Checkpointer] = {}
+        self._pending: dict[Path | ObjectPath, Future[Path | ObjectPath]] = {}
         self._failure: BaseException | None = None
         self._lock = threading.Lock()
-        self._dirpath = None if dirpath is None else _local_path(dirpath)
+        self._dirpath = None if dirpath is None else _where(dirpath)
+        self._mirror = _mirror_of(self._dirpath, mirror)
         self._prestart()
 
     def _prestart(self) -> None:
@@ -118,7 +132,8 @@ class ShmCheckpointIO(CheckpointIO):
     def __getstate__(self) -> dict[str, Any]:
         """Its settings only (Lightning's ddp_spawn pickles the Trainer for each process)."""
         return {
-            "dirpath": self._dirpath,
+            "dirpath": None if self._dirpath is None else str(self._dirpath),
+            "mirror": None if self._mirror is None else str(self._mirror),
             "write_timeout": self._write_timeout,
             "options": self._options,
         }
@@ -126,8 +141,9 @@ class ShmCheckpointIO(CheckpointIO):
     def __setstate__(self, state: dict[str, Any]) -> None:
         options = {k: v for k, v in state["options"].items() if k != "allow_pickle"}
         self.__init__(  # type: ignore[misc]
-            state["dirpath"], write_timeout=state["write_timeout"], **options
-        )
+            state["dirpath"], mirror=state["mirror"], write_timeout=state["write_timeout"],
+            **options,
+        )  # fmt: skip
 
     # -- Lightning's CheckpointIO ----------------------------------------------------------------
 
@@ -142,12 +158,13 @@ class ShmCheckpointIO(CheckpointIO):
 
         Args:
             checkpoint: Lightning's checkpoint dict.
-            path: the checkpoint's path (a local or mounted filesystem; ``file://`` is
-                accepted).
+            path: the checkpoint's path (a local or mounted filesystem, ``file://`` accepted,
+                or ``s3://bucket/prefix/name``).
             storage_options: must be None.
 
         Raises:
-            NotSupportedError: `storage_options` is given, or `path` is a URL.
+            NotSupportedError: `storage_options` is given.
+            UnsupportedLocationError: `path` is a URL pyshmckpt does not write.
             ConfigTypeError: `path` is not a str or path.
             PyshmckptError: an earlier write that failed, not raised yet (itself when it is a
                 pyshmckpt error, else as a `WriterError`); this checkpoint is then not saved.
@@ -158,13 +175,15 @@ class ShmCheckpointIO(CheckpointIO):
             SlotsBusyError: no slot became free within the slot timeout.
             PyshmckptOSError: the directory of `path` cannot be created or written, or a slot
                 cannot be created (``/dev/shm`` full).
+            ObjectStoreError: (an ``s3://`` path, its first save there) the bucket is missing
+                or the credentials are refused.
         """
         if storage_options is not None:
             raise NotSupportedError(
                 f"{type(self).__name__} takes no storage_options (got {storage_options!r})"
             )
         self._raise_failure()
-        target = _local_path(path)
+        target = _where(path)
         checkpointer = self._checkpointer(target.parent)
         future = checkpointer.save(checkpoint, target.name, overwrite=True)
         with self._lock:
@@ -181,7 +200,8 @@ class ShmCheckpointIO(CheckpointIO):
         from a run without this plugin) is read with ``torch.load`` as Lightning would.
 
         Args:
-            path: the checkpoint's path.
+            path: the checkpoint's path (local, or ``s3://``). With a `mirror`, a path under
+                `dirpath` that this node's disk does not hold is read from the mirror.
             map_location: the device tensors are loaded to (a string or torch.device; None:
                 the CPU).
             weights_only: True: refuse pickled leaves; otherwise they are unpickled.
@@ -193,20 +213,25 @@ class ShmCheckpointIO(CheckpointIO):
             WriteTimeoutError: the pending write of `path` did not finish within
                 ``write_timeout``.
             PyshmckptError: a write that failed, not raised yet (as in `save_checkpoint`).
-            NotSupportedError: `map_location` is not a device, or `path` is a URL.
+            NotSupportedError: `map_location` is not a device.
+            UnsupportedLocationError: `path` is a URL pyshmckpt does not read.
             ConfigTypeError: `path` is not a str or path, or the checkpoint is not a dict.
-            CheckpointCorruptError: nothing is at `path`, a file is damaged, the checkpoint
-                holds pickled leaves and `weights_only` is True, or ``torch.load`` of a
-                ``.ckpt`` failed.
+            CheckpointCorruptError: a file or object is damaged, the checkpoint holds pickled
+                leaves and `weights_only` is True, or ``torch.load`` of a ``.ckpt`` failed.
+            CheckpointNotFoundError: nothing is at `path` (nor in the mirror).
             PyshmckptOSError: a file cannot be read.
+            ObjectStoreError: object storage failed or refused a request.
         """
-        target = _local_path(path)
+        target = _where(path)
         self._wait_for(target)
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
             raise NotSupportedError(
                 f"map_location must be a device (str or torch.device), not {map_location!r}"
             )
-        if target.is_file():
+        mirrored = self._mirrored(target)
+        if mirrored is not None and not _on_disk(target):
+            target = mirrored  # a new node: its disk does not hold it
+        if isinstance(target, Path) and target.is_file():
             with _os_errors(f"cannot load {target}"):
                 try:
                     state = torch.load(target, map_location=map_location, weights_only=weights_only)
@@ -229,26 +254,29 @@ class ShmCheckpointIO(CheckpointIO):
         Done at once (renamed away, its files deleted in the background), or, while its write
         is pending, by the writer process right after that write is committed: the training
         thread never waits for it, and the removal happens even if the trainer dies first
-        (ModelCheckpoint's top-k stays k). A checkpoint that does not exist is logged, not
-        raised.
+        (ModelCheckpoint's top-k stays k). In object storage, and for a mirrored `dirpath`, the
+        writer process removes it (from the mirror as well) after the saves handed to it
+        before. A checkpoint that does not exist is logged, not raised.
 
         Args:
             path: the checkpoint's path.
 
         Raises:
             ConfigTypeError: `path` is not a str or path.
-            NotSupportedError: `path` is a URL.
+            UnsupportedLocationError: `path` is a URL pyshmckpt does not write.
             PyshmckptOSError: it cannot be removed.
+            ObjectStoreError: (``s3://``, no writer for its root) object storage failed.
             WriterDiedError: its write is pending and the writer process died, its restarts
                 spent.
             PyshmckptError: a write (or removal) that failed, not raised yet (as in
                 `save_checkpoint`).
         """
-        target = _local_path(path)
+        target = _where(path)
         with self._lock:
             pending = self._pending.get(target)
             checkpointer = self._checkpointers.get(target.parent)
-        if pending is not None and checkpointer is not None:
+        in_writer = isinstance(target, ObjectPath) or self._mirrored(target) is not None
+        if checkpointer is not None and (pending is not None or in_writer):
             removal = checkpointer.remove(target.name)
             removal.add_done_callback(lambda f: self._removed(target, f))
         else:
@@ -280,19 +308,26 @@ class ShmCheckpointIO(CheckpointIO):
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _checkpointer(self, root: Path) -> Checkpointer:
+    def _checkpointer(self, root: Path | ObjectPath) -> Checkpointer:
         with self._lock:
             checkpointer = self._checkpointers.get(root)
         if checkpointer is None:
+            mirror = self._mirror if root == self._dirpath else None
             # No `latest` link: the directory holds Lightning's entries alone.
             checkpointer = Checkpointer(
-                root, rank=0, world_size=1, link_latest=False, **self._options
+                root, rank=0, world_size=1, link_latest=False, mirror=mirror, **self._options
             )
             with self._lock:
                 self._checkpointers[root] = checkpointer
         return checkpointer
 
-    def _finished(self, target: Path, future: Future[Path | ObjectPath]) -> None:
+    def _mirrored(self, target: Path | ObjectPath) -> ObjectPath | None:
+        """Where the mirror holds `target` (None: not a checkpoint of the mirrored dirpath)."""
+        if self._mirror is None or target.parent != self._dirpath:
+            return None
+        return self._mirror / target.name
+
+    def _finished(self, target: Path | ObjectPath, future: Future[Path | ObjectPath]) -> None:
         with self._lock:
             if self._pending.get(target) is future:
                 del self._pending[target]
@@ -306,12 +341,18 @@ class ShmCheckpointIO(CheckpointIO):
             if self._failure is None:
                 self._failure = error
 
-    def _removed(self, target: Path, removal: Future[None]) -> None:
+    def _removed(self, target: Path | ObjectPath, removal: Future[None]) -> None:
         error = removal.exception()
         if error is not None and not _write_failed_first(error):
             self._fail(f"could not remove checkpoint {target}", error)
 
-    def _remove_now(self, target: Path) -> None:
+    def _remove_now(self, target: Path | ObjectPath) -> None:
+        if isinstance(target, ObjectPath):  # no writer of ours for its root: remove it here
+            try:
+                object_commit.remove(target.parent, target.name)
+            except FileNotFoundError:
+                logger.warning("remove_checkpoint(%s): no such checkpoint", target)
+            return
         with _os_errors(f"cannot remove checkpoint {target}"):
             if target.is_dir() and not target.is_symlink():
                 # Whatever Lightning asks to remove, as its own CheckpointIO removes it (a
@@ -326,7 +367,7 @@ class ShmCheckpointIO(CheckpointIO):
                     target, type(self).__name__,
                 )  # fmt: skip
 
-    def _wait_for(self, target: Path) -> None:
+    def _wait_for(self, target: Path | ObjectPath) -> None:
         with self._lock:
             future = self._pending.get(target)
         if future is not None:
@@ -369,5 +410,22 @@ def _os_errors(what: str) -> Iterator[None]:
         raise from_os_error(exc, what) from exc
 
 
-def _local_path(path: Any) -> Path:
-    return locations.local_path(path, "checkpoint path").absolute()
+def _mirror_of(dirpath: Path | ObjectPath | None, mirror: Any) -> ObjectPath | None:
+    if mirror is None:
+        return None
+    where = _where(mirror, "mirror")
+    if isinstance(where, ObjectPath) and isinstance(dirpath, Path):
+        return where
+    raise ConfigError(
+        "mirror copies the checkpoints of a local dirpath to object storage: give a local "
+        f"dirpath and an s3:// mirror (dirpath={dirpath}, mirror={mirror!r})"
+    )
+
+
+def _on_disk(target: Path | ObjectPath) -> bool:
+    return isinstance(target, Path) and (target.exists() or target.is_symlink())
+
+
+def _where(path: Any, what: str = "checkpoint path") -> Path | ObjectPath:
+    where = locations.location(path, what)
+    return where.absolute() if isinstance(where, Path) else where

@@ -9,6 +9,8 @@ the same name, several ranks meeting in the bucket under the same attempt), then
 mirror's retention. A failed upload is logged and the next one goes on: the local checkpoint
 stands. `drain` waits for the queue (the Checkpointer's `close`, the writer's own close after
 its trainer died), so that a save committed locally is mirrored before the writer exits.
+`remove_checkpoint` (``Checkpointer.remove`` with a mirror) removes the local checkpoint and
+queues its removal from the mirror behind the uploads queued before it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import object_commit, object_upload, progress
+from . import commit, object_commit, object_store, object_upload, progress
 from .object_store import ObjectPath
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ class _Job:
     target: ObjectPath  # the checkpoint in the mirror
     files: dict[str, tuple[Any, memoryview]]  # name -> (its map, a view of it)
     options: dict[str, Any]  # object_commit.save's keyword arguments
+    remove: bool = False  # remove `target` from the mirror instead of uploading it
 
 
 class Mirror:
@@ -59,9 +62,17 @@ class Mirror:
             finally:
                 os.close(fd)
             mapped[name] = (region, memoryview(region) if region is not None else memoryview(b""))
+        self._enqueue(_Job(target, mapped, options))
+
+    def remove(self, target: ObjectPath) -> None:
+        """Queue the removal of `target` from the mirror (after what is queued already: a
+        checkpoint still being uploaded is uploaded, then removed)."""
+        self._enqueue(_Job(target, {}, {}, remove=True))
+
+    def _enqueue(self, job: _Job) -> None:
         with self._idle:
             self._pending += 1
-            self._queue.put(_Job(target, mapped, options))
+            self._queue.put(job)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="pyshmckpt-mirror", daemon=True
@@ -85,9 +96,13 @@ class Mirror:
         while True:
             job = self._queue.get()
             try:
-                self._mirror(job)
+                if job.remove:
+                    _remove(job.target)
+                else:
+                    self._mirror(job)
             except Exception as exc:  # the local checkpoint stands: say so, go on
-                logger.warning("could not mirror %s: %s: %s", job.target, type(exc).__name__, exc)
+                what = "remove" if job.remove else "mirror"
+                logger.warning("could not %s %s: %s: %s", what, job.target, type(exc).__name__, exc)
             finally:
                 for region, view in job.files.values():
                     view.release()
@@ -109,7 +124,27 @@ class Mirror:
         logger.info("mirrored %s", job.target)
 
 
+def _remove(target: ObjectPath) -> None:
+    try:
+        object_commit.remove(target.parent, target.name)
+    except FileNotFoundError:  # never mirrored (its upload failed), or another rank removed it
+        logger.debug("%s was not in the mirror", target)
+        return
+    logger.info("removed %s from the mirror", target)
+
+
 MIRROR = Mirror()
+
+
+def remove_checkpoint(root: str, name: str, mirror: str) -> None:
+    """`Checkpointer.remove` of a root with a mirror, in the writer process: the checkpoint is
+    removed under `root` now (`commit.remove_checkpoint`), and from `mirror` in the background,
+    once the uploads queued before it are done. A checkpoint missing under `root` fails the call
+    (errno ENOENT) once the mirror's removal is queued: the mirror may hold it still."""
+    try:
+        commit.remove_checkpoint(root, name)
+    finally:
+        MIRROR.remove(object_store.parse(mirror) / name)
 
 
 def drain(timeout: float = 1800.0) -> bool:

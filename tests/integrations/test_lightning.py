@@ -143,8 +143,8 @@ def test_bad_input_is_refused_with_typed_errors(tmp_path, caplog):
     try:
         with pytest.raises(pyshmckpt.NotSupportedError, match="storage_options"):
             io.save_checkpoint({}, tmp_path / "a.ckpt", storage_options={"x": 1})
-        with pytest.raises(pyshmckpt.NotSupportedError, match="local"):
-            io.save_checkpoint({}, "s3://bucket/a.ckpt")
+        with pytest.raises(pyshmckpt.UnsupportedLocationError, match="Google"):
+            io.save_checkpoint({}, "gs://bucket/a.ckpt")
         with pytest.raises(pyshmckpt.ConfigTypeError, match="path"):
             io.save_checkpoint({}, 42)
         torch.save({"w": torch.zeros(2), "epoch": 3}, tmp_path / "theirs.ckpt")  # a run without us
@@ -175,6 +175,71 @@ def test_bad_input_is_refused_with_typed_errors(tmp_path, caplog):
         copied.teardown()
     finally:
         io.teardown()
+
+
+def stored(url: str) -> list[str]:
+    from pyshmckpt.storage import object_commit, object_store
+
+    return sorted(name for _, name in object_commit.committed(object_store.parse(url)))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:The dirpath has changed")  # resumed runs save elsewhere
+def test_a_mirrored_dirpath_keeps_lightnings_choice_in_the_bucket_and_resumes_on_a_new_node(
+    tmp_path, bucket
+):
+    url = bucket.url("lightning")
+    local = tmp_path / "node-a"
+    model, _, _ = fit(local, [shm_io(dirpath=local, mirror=url)], save_last=True, **TOP_K)
+    # fit's teardown waited for the uploads and for the removals of what top-k dropped.
+    kept = checkpoint_names(local)
+    assert len(kept) == 3
+    assert stored(url) == kept
+    # A new node: the local path is not on its disk, the mirror holds it.
+    node_b = tmp_path / "node-b"
+    io = shm_io(dirpath=node_b, mirror=url)
+    try:
+        again = io.load_checkpoint(node_b / "last.ckpt")
+        assert again["global_step"] == 3 * STEPS_PER_EPOCH
+    finally:
+        io.teardown()
+    # Resumed from the bucket's URL by Lightning itself: the run ends where the first ended.
+    first = min((n for n in kept if n != "last.ckpt"), key=lambda n: int(n.split("step=")[1][:-5]))
+    resumed, _, _ = fit(node_b, [shm_io()], ckpt_path=f"{url}/{first}", **TOP_K)
+    assert same_parameters(resumed, model)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:The dirpath has changed")  # resumed runs save elsewhere
+def test_checkpoints_in_object_storage_save_load_and_remove(tmp_path, bucket):
+    url = bucket.url("run")
+    model, _, trainer = fit(tmp_path / "local", [shm_io()], max_steps=STEPS_PER_EPOCH)
+    trainer.save_checkpoint(f"{url}/manual.ckpt")  # Lightning hands the URL to the plugin
+    trainer.save_checkpoint(f"{url}/other.ckpt")
+    io = trainer.strategy.checkpoint_io
+    io.remove_checkpoint(f"{url}/other.ckpt")  # queued behind its own upload
+    io.teardown()
+    assert stored(url) == ["manual.ckpt"]
+    assert cli.main(["verify", f"{url}/manual.ckpt"]) == 0
+    loaded = shm_io().load_checkpoint(f"{url}/manual.ckpt")
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(loaded["state_dict"][f"{key}"], tensor)
+    resumed, _, _ = fit(
+        tmp_path / "resumed", [shm_io()], max_steps=STEPS_PER_EPOCH, ckpt_path=f"{url}/manual.ckpt"
+    )
+    assert same_parameters(resumed, model)
+    # A checkpoint of an earlier run, with no writer of this object for its root.
+    fresh = shm_io()
+    fresh.remove_checkpoint(f"{url}/manual.ckpt")
+    assert stored(url) == []
+    with pytest.raises(pyshmckpt.CheckpointNotFoundError):
+        fresh.load_checkpoint(f"{url}/manual.ckpt")
+    with pytest.raises(pyshmckpt.ConfigError, match="mirror"):
+        ShmCheckpointIO(mirror=url)
+    with pytest.raises(pyshmckpt.ConfigError, match="mirror"):
+        ShmCheckpointIO(tmp_path, mirror=str(tmp_path / "elsewhere"))
+    with pytest.raises(pyshmckpt.UnsupportedLocationError, match="Google"):
+        ShmCheckpointIO("gs://bucket/run")
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ mirror wins."""
 
 from __future__ import annotations
 
+import errno
 import signal
 import subprocess
 import sys
@@ -79,6 +80,27 @@ def test_the_newest_wins_whichever_tier_holds_it(bucket, tmp_path):
     with opened(tmp_path / "other", mirror=url) as ck:
         ck.save(state(3), "newer").result(SAVE_TIMEOUT)
     assert_same_tree(state(3), pyshmckpt.load(root, mirror=url))
+
+
+def test_remove_removes_the_checkpoint_from_the_mirror_too(bucket, tmp_path):
+    url = bucket.url("mirror")
+    root = tmp_path / "root"
+    with opened(root, mirror=url) as ck:
+        for step in (1, 2):
+            ck.save(state(step)).result(SAVE_TIMEOUT)
+        # The newest is removed while its upload may still be queued: uploaded, then removed.
+        ck.save(state(3), "pending")
+        ck.remove("pending").result(SAVE_TIMEOUT)
+        ck.remove("step-00000001").result(SAVE_TIMEOUT)
+        assert not (root / "step-00000001").exists()
+        with pytest.raises(pyshmckpt.WriterOSError) as missing:
+            ck.remove("never-saved").result(SAVE_TIMEOUT)
+        assert missing.value.errno == errno.ENOENT
+    # close() waited for the mirror's removals.
+    assert stored_names(url) == ["step-00000002"]
+    assert bucket.keys("mirror/pending/") == []
+    assert bucket.keys("mirror/step-00000001/") == []
+    assert [n for _, n in commit.committed(root)] == ["step-00000002"]
 
 
 def test_a_failed_upload_leaves_the_local_save_standing(bucket, tmp_path, monkeypatch, caplog):
