@@ -57,9 +57,10 @@ from ..errors import (
     as_writer_error,
     os_error,
 )
-from ..storage import commit, locations
+from ..storage import locations, object_commit
+from ..storage.inspection import saved_ranks
 from ..storage.object_store import ObjectPath
-from ..storage.rank_files import ranks
+from ..storage.roots import root_of
 from ..storage.safetensors_writer import file_names
 from ..tiers import load
 from ..transport import CheckpointProcessConfig
@@ -97,6 +98,11 @@ class ShmStateSaver:
     naming, ``project_dir/checkpoints``, started here): a save under another directory first
     finishes the pending writes of the previous one and stops its writer.
 
+    Object storage: a directory (``output_dir``, ``input_dir``, ``project_dir``) may be an
+    ``s3://bucket/prefix`` URL: each checkpoint is then committed in the bucket, as by a
+    `Checkpointer` on that root (the processes meet there: no shared filesystem needed). Or
+    the checkpoints of a local directory are mirrored there (``mirror``).
+
     A save that fails (a full disk, a writer error) is logged at once and raised, as a
     `PyshmckptError`, by the next ``save_state``, ``wait``, ``load_state`` or ``close``; the
     saver stays usable.
@@ -124,15 +130,26 @@ class ShmStateSaver:
         capacity_bytes: passed to the `Checkpointer`.
         config: passed to the `Checkpointer`.
         barrier_timeout: passed to the `Checkpointer`.
+        mirror: an object storage root (``s3://bucket/prefix``) that the checkpoints saved
+            under a local directory are copied to in the background, under their names
+            (``Checkpointer(root, mirror=...)``; ``total_limit`` applies there too).
+            ``load_state()`` with automatic naming loads the mirror's newest when the local
+            directory holds none (a new node); ``load_state(input_dir)`` of a local checkpoint
+            that is missing reads its copy in the mirror.
 
     Raises:
         ConfigTypeError: `accelerator` is not an ``accelerate.Accelerator``.
         NotSupportedError: the accelerator runs FSDP, DeepSpeed, Megatron-LM or XLA, or
             ``save_on_each_node`` with several processes.
-        ConfigError: automatic checkpoint naming without a ``project_dir``, or (with
-            automatic naming, where the `Checkpointer` is made here) an option it refuses.
+        ConfigError: automatic checkpoint naming without a ``project_dir``, a ``mirror``
+            not in object storage, or (with automatic naming, where the `Checkpointer` is made
+            here) an option it refuses.
+        UnsupportedLocationError: ``project_dir`` or ``mirror`` is a URL pyshmckpt does not
+            write (``gs://``, ``https://``), or ``s3://`` without the s3 extra.
         PyshmckptOSError: (with automatic naming) ``project_dir/checkpoints`` cannot be
             created or written.
+        ObjectStoreError: (automatic naming in object storage, or a ``mirror``) the bucket is
+            missing or the credentials are refused.
     """
 
     def __init__(
@@ -145,6 +162,7 @@ class ShmStateSaver:
         capacity_bytes: int | None = None,
         config: CheckpointProcessConfig | Any = None,
         barrier_timeout: float = 600.0,
+        mirror: str | None = None,
     ) -> None:
         self._checkpointer: Checkpointer | None = None
         self._closed = True
@@ -165,6 +183,7 @@ class ShmStateSaver:
             )
         if project.automatic_checkpoint_naming and project.project_dir is None:
             raise ConfigError("automatic_checkpoint_naming needs a project_dir")
+        self._mirror = _mirror_root(mirror)
         self._accelerator = accelerator
         self._allow_pickle = bool(allow_pickle)
         self._options: dict[str, Any] = {
@@ -173,16 +192,16 @@ class ShmStateSaver:
         }  # fmt: skip
         self._pending: list[Future[Path | ObjectPath]] = []  # what wait() waits for
         self._unsettled: dict[
-            Future[Path | ObjectPath], Path
+            Future[Path | ObjectPath], Path | ObjectPath
         ] = {}  # saves whose outcome is not recorded yet
         self._failure: BaseException | None = None  # the first failed save not raised yet
         self._lock = threading.Lock()
         self._closed = False
         if project.automatic_checkpoint_naming:
-            self._checkpointer_under(Path(project.project_dir) / CHECKPOINTS)
+            self._checkpointer_under(self._automatic_root())
 
     def save_state(
-        self, output_dir: str | os.PathLike[str] | None = None
+        self, output_dir: str | os.PathLike[str] | ObjectPath | None = None
     ) -> Future[Path | ObjectPath]:
         """Save the accelerator's state as ``accelerator.save_state(output_dir)`` would.
 
@@ -191,7 +210,8 @@ class ShmStateSaver:
         background. Every process must call it together.
 
         Args:
-            output_dir: the checkpoint directory (ignored with automatic checkpoint naming).
+            output_dir: the checkpoint directory, or ``s3://bucket/prefix/name`` (ignored with
+                automatic checkpoint naming).
 
         Returns:
             A Future that resolves to the checkpoint directory once it is durable, or fails
@@ -202,6 +222,7 @@ class ShmStateSaver:
             ConfigError: no `output_dir` without automatic naming, or its name is not a valid
                 checkpoint name.
             ConfigTypeError: `output_dir` is not a path.
+            UnsupportedLocationError: `output_dir` is a URL pyshmckpt does not write.
             PyshmckptError: an earlier save that failed, not raised yet; nothing is saved.
             PathExistsError: ``checkpoint_<i>`` exists already, or `output_dir` exists and was
                 not written by this class.
@@ -214,13 +235,14 @@ class ShmStateSaver:
         self._check_open()
         accelerator = self._accelerator
         project = accelerator.project_configuration
+        root: Path | ObjectPath
         if project.automatic_checkpoint_naming:
-            root = Path(project.project_dir) / CHECKPOINTS
+            root = self._automatic_root()
             name = f"checkpoint_{accelerator.save_iteration}"
         else:
             if output_dir is None:
                 raise ConfigError("no output_dir given and automatic checkpoint naming is off")
-            path = _as_path(output_dir, "output_dir")
+            path = _where(output_dir, "output_dir")
             root, name = path.parent, path.name
         # Accelerate writes into an existing output_dir (it refuses an existing checkpoint_<i>):
         # one of ours is replaced atomically, anything else is refused.
@@ -243,7 +265,9 @@ class ShmStateSaver:
         logger.info("staged the accelerator's state for %s", target)
         return future
 
-    def load_state(self, input_dir: str | os.PathLike[str] | None = None) -> Path:
+    def load_state(
+        self, input_dir: str | os.PathLike[str] | ObjectPath | None = None
+    ) -> Path | ObjectPath:
         """Restore what `save_state` saved, as ``accelerator.load_state(input_dir)`` would.
 
         Blocks: waits for pending saves first (each bounded by its write timeout), then loads.
@@ -251,11 +275,12 @@ class ShmStateSaver:
         the accelerator changes. Every process must call it together.
 
         Args:
-            input_dir: the checkpoint directory; None (with automatic naming): the newest
-                committed checkpoint.
+            input_dir: the checkpoint directory (or ``s3://`` URL); None (with automatic
+                naming): the newest committed checkpoint (with a ``mirror``, the mirror's
+                newest when the local directory holds none).
 
         Returns:
-            The directory loaded.
+            The directory (or `ObjectPath`) loaded.
 
         Raises:
             ClosedError: the saver is closed.
@@ -264,6 +289,8 @@ class ShmStateSaver:
             ConfigTypeError: `input_dir` is not a path.
             PathNotFoundError: `input_dir` is not a directory, or (automatic naming) there is
                 no committed checkpoint.
+            CheckpointNotFoundError: nothing is committed at an ``s3://`` `input_dir`.
+            ObjectStoreError: object storage failed or refused a request.
             CheckpointCorruptError: the directory was not written by this class, a file is
                 damaged, or it holds pickled values and ``allow_pickle`` is False.
             CheckpointMismatchError: the accelerator holds other numbers of models,
@@ -275,7 +302,9 @@ class ShmStateSaver:
         accelerator = self._accelerator
         rank = accelerator.process_index
         main = self._read(directory, 0)
-        own = main if rank == 0 or rank not in ranks(directory) else self._read(directory, rank)
+        own = (
+            main if rank == 0 or rank not in saved_ranks(directory) else self._read(directory, rank)
+        )
         # A process's own files (its RNG state) over the main process's (schedulers, ...).
         files = {**main["accelerate_files"], **own["accelerate_files"]}
         self._check_fits(directory, main, files)  # before anything changes
@@ -347,12 +376,15 @@ class ShmStateSaver:
         if self._closed:
             raise ClosedError("ShmStateSaver is closed")
 
-    def _checkpointer_under(self, root: Path) -> Checkpointer:
+    def _automatic_root(self) -> Path | ObjectPath:
+        project = self._accelerator.project_configuration
+        return _where(project.project_dir, "project_dir") / CHECKPOINTS
+
+    def _checkpointer_under(self, root: Path | ObjectPath) -> Checkpointer:
         """The Checkpointer writing under `root`: the open one, or a new one once the previous
         root's is closed (its pending writes finished). With several processes, every process
         gets here together: starting one is a collective call."""
         self._check_open()
-        root = root.resolve()
         previous = self._checkpointer
         if previous is not None and previous.root == root:
             return previous
@@ -369,6 +401,7 @@ class ShmStateSaver:
             rank=self._accelerator.process_index,
             world_size=self._accelerator.num_processes,
             link_latest=False,  # the directory holds Accelerate's entries alone
+            mirror=self._mirror if isinstance(root, Path) else None,
             **self._options,
         )
         return self._checkpointer
@@ -399,22 +432,26 @@ class ShmStateSaver:
         if failure is not None:
             raise as_writer_error(failure, "saving the accelerator's state failed")
 
-    def _source(self, input_dir: str | os.PathLike[str] | None) -> Path:
+    def _source(self, input_dir: str | os.PathLike[str] | ObjectPath | None) -> Path | ObjectPath:
         if input_dir is not None:
-            directory = _as_path(input_dir, "input_dir")
-            if not directory.is_dir():
-                raise os_error(errno.ENOENT, f"no checkpoint directory {directory}", str(directory))
-            return directory
+            directory = _where(input_dir, "input_dir")
+            if isinstance(directory, ObjectPath) or directory.is_dir():
+                return directory
+            if self._mirror is not None:  # a new node: the mirror's copy
+                return self._mirror / directory.name
+            raise os_error(errno.ENOENT, f"no checkpoint directory {directory}", str(directory))
         project = self._accelerator.project_configuration
         if not project.automatic_checkpoint_naming:
             raise ConfigError("no input_dir given and automatic checkpoint naming is off")
-        root = (Path(project.project_dir) / CHECKPOINTS).resolve()
-        newest = commit.latest(root)
+        root = self._automatic_root()
+        newest = root_of(root).latest()
+        if newest is None and self._mirror is not None and isinstance(root, Path):
+            newest = object_commit.latest(self._mirror)  # a new node: the mirror's newest
         if newest is None:
             raise os_error(errno.ENOENT, f"no committed checkpoint in {root}", str(root))
         return newest
 
-    def _continue_naming(self, directory: Path, input_dir: Any) -> None:
+    def _continue_naming(self, directory: Path | ObjectPath, input_dir: Any) -> None:
         """After loading checkpoint_<i> by automatic naming, the next save is checkpoint_<i+1>
         (Accelerate's own load_state leaves the iteration at 0, and its next save_state then
         refuses the existing checkpoint_0)."""
@@ -423,7 +460,9 @@ class ShmStateSaver:
         if input_dir is None and project.automatic_checkpoint_naming and number:
             project.iteration = max(project.iteration, int(number.group(1)) + 1)
 
-    def _check_fits(self, directory: Path, main: dict[str, Any], files: dict[str, bytes]) -> None:
+    def _check_fits(
+        self, directory: Path | ObjectPath, main: dict[str, Any], files: dict[str, bytes]
+    ) -> None:
         """Raise CheckpointMismatchError unless the checkpoint holds as many models, optimizers
         and custom objects as the accelerator."""
         accelerator = self._accelerator
@@ -441,8 +480,8 @@ class ShmStateSaver:
                     f"{directory} holds {saved} {kind}, the accelerator {held}"
                 )
 
-    def _read(self, directory: Path, rank: int) -> dict[str, Any]:
-        if not (directory / file_names(0)[1]).exists():
+    def _read(self, directory: Path | ObjectPath, rank: int) -> dict[str, Any]:
+        if isinstance(directory, Path) and not (directory / file_names(0)[1]).exists():
             raise CheckpointCorruptError(
                 str(directory),
                 "not a checkpoint written by ShmStateSaver (one of accelerator.save_state loads "
@@ -500,5 +539,15 @@ def _plain_file_name(name: Any) -> bool:
     )
 
 
-def _as_path(value: Any, what: str) -> Path:
-    return locations.local_path(value, what).expanduser().resolve()
+def _where(value: Any, what: str) -> Path | ObjectPath:
+    where = locations.location(value, what)
+    return where.expanduser().resolve() if isinstance(where, Path) else where
+
+
+def _mirror_root(mirror: Any) -> ObjectPath | None:
+    if mirror is None:
+        return None
+    where = _where(mirror, "mirror")
+    if not isinstance(where, ObjectPath):
+        raise ConfigError(f"mirror must be an object storage root (s3://...), not {mirror!r}")
+    return where

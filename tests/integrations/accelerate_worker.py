@@ -1,6 +1,7 @@
 """Training with Accelerate, saved through ShmStateSaver while training goes on, loaded into fresh
 objects and resumed: the checks of test_accelerate.py, run in its process (one process) and on 2
-processes under torchrun (DDP over gloo): ``python accelerate_worker.py DIRECTORY``.
+processes under torchrun (DDP over gloo): ``python accelerate_worker.py DIRECTORY [URL]`` (with
+a URL, the checkpoint goes to object storage there).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 from accelerate import Accelerator
 
 from pyshmckpt.integrations.accelerate import ShmStateSaver
+from pyshmckpt.storage import object_store
+from pyshmckpt.storage.object_store import ObjectPath
 
 from helpers import SAVE_TIMEOUT, assert_same_tree, bounded_config, end_distributed
 
@@ -96,7 +99,14 @@ def snapshot(run: Run) -> dict[str, Any]:
     }
 
 
-def save_load_resume(directory: Path) -> None:
+def stored_files(path: Path | ObjectPath) -> list[str]:
+    """The names of the files (or objects) of a checkpoint."""
+    if isinstance(path, Path):
+        return sorted(p.name for p in path.iterdir())
+    return sorted(entry["Key"].rpartition("/")[2] for entry in object_store.listing(path))
+
+
+def save_load_resume(directory: Path | ObjectPath) -> None:
     """Save after STEPS steps, train STEPS more (the uninterrupted run), then load the checkpoint
     into fresh objects: bitwise what was saved, and STEPS more steps end bitwise alike."""
     run = build(seed=1)
@@ -109,7 +119,7 @@ def save_load_resume(directory: Path) -> None:
         if future.result(timeout=SAVE_TIMEOUT) != path:
             raise AssertionError(f"saved {future.result()}, not {path}")
     world = run.accelerator.num_processes
-    files = sorted(p.name for p in path.iterdir())
+    files = stored_files(path)
     expected = sorted(
         ["commit.json"] + [f"rank{r}.{x}" for r in range(world) for x in ("json", "safetensors")]
     )
@@ -127,5 +137,6 @@ def save_load_resume(directory: Path) -> None:
 
 
 if __name__ == "__main__":
-    save_load_resume(Path(sys.argv[1]).resolve())
+    where = Path(sys.argv[1]).resolve() if len(sys.argv) == 2 else object_store.parse(sys.argv[2])
+    save_load_resume(where)
     end_distributed()

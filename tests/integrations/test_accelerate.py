@@ -24,10 +24,12 @@ from accelerate.utils import ProjectConfiguration  # noqa: E402
 
 import pyshmckpt  # noqa: E402
 from pyshmckpt.integrations.accelerate import ShmStateSaver  # noqa: E402
+from pyshmckpt.storage import object_commit, object_store  # noqa: E402
 
 from accelerate_worker import build, save_load_resume, train  # noqa: E402
 from helpers import (  # noqa: E402
     SAVE_TIMEOUT,
+    assert_same_tree,
     bounded_config,
     child_env,
     child_pids,
@@ -58,6 +60,79 @@ def test_ddp_on_two_processes_saves_every_rank_and_resumes(tmp_path: Path) -> No
         command, env=child_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+
+
+def test_a_checkpoint_in_object_storage_is_a_snapshot_and_resumes(bucket) -> None:
+    save_load_resume(object_store.parse(bucket.url("run")))
+
+
+@pytest.mark.slow
+def test_ddp_on_two_processes_saves_to_object_storage_and_resumes(tmp_path: Path, bucket) -> None:
+    """The two processes meet in the bucket: no filesystem is shared for the checkpoint."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--max-restarts", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        str(WORKER), str(tmp_path), bucket.url("ddp"),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, env=child_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    assert bucket.keys("ddp/.pending/") == []
+    assert list(tmp_path.iterdir()) == []  # nothing written to the disk
+
+
+def test_automatic_naming_in_object_storage_and_a_mirrored_project(tmp_path: Path, bucket) -> None:
+    url = bucket.url("project")
+    project = ProjectConfiguration(project_dir=url, automatic_checkpoint_naming=True, total_limit=2)
+    run = build(seed=3, project_config=project)
+    with ShmStateSaver(run.accelerator, config=bounded_config()) as saver:
+        for _ in range(3):
+            train(run, 1)
+            saver.save_state()
+        assert [str(p) for p in saver.wait(timeout=SAVE_TIMEOUT)][
+            -1
+        ] == f"{url}/checkpoints/checkpoint_2"
+        newest = {k: v.clone() for k, v in run.model.state_dict().items()}
+        train(run, 1)
+        assert str(saver.load_state()) == f"{url}/checkpoints/checkpoint_2"
+        assert run.accelerator.save_iteration == 3  # the next save is checkpoint_3
+    assert_same_tree(newest, dict(run.model.state_dict()))
+    assert stored(f"{url}/checkpoints") == ["checkpoint_1", "checkpoint_2"]
+
+    # A local project mirrored to the bucket; a new node (another project_dir) resumes from it.
+    mirror = bucket.url("mirror")
+    local = ProjectConfiguration(
+        project_dir=str(tmp_path / "node-a"), automatic_checkpoint_naming=True, total_limit=1
+    )
+    run = build(seed=4, project_config=local)
+    with ShmStateSaver(run.accelerator, config=bounded_config(), mirror=mirror) as saver:
+        for _ in range(2):
+            train(run, 1)
+            saver.save_state()
+        saver.wait(timeout=SAVE_TIMEOUT)
+        saved = {k: v.clone() for k, v in run.model.state_dict().items()}
+    assert stored(mirror) == ["checkpoint_1"]
+    assert visible(tmp_path / "node-a" / "checkpoints") == ["checkpoint_1"]
+    fresh_project = ProjectConfiguration(
+        project_dir=str(tmp_path / "node-b"), automatic_checkpoint_naming=True
+    )
+    fresh = build(seed=5, project_config=fresh_project)
+    with ShmStateSaver(fresh.accelerator, config=bounded_config(), mirror=mirror) as loader:
+        assert str(loader.load_state()) == f"{mirror}/checkpoint_1"
+        assert fresh.accelerator.save_iteration == 2
+    assert_same_tree(saved, dict(fresh.model.state_dict()))
+    with pytest.raises(pyshmckpt.ConfigError, match="mirror"):
+        ShmStateSaver(fresh.accelerator, mirror=str(tmp_path))
+    with (
+        ShmStateSaver(fresh.accelerator, config=bounded_config()) as saver,
+        pytest.raises(pyshmckpt.UnsupportedLocationError, match="Azure"),
+    ):
+        saver.load_state("az://container/run/ck")
+
+
+def stored(url: str) -> list[str]:
+    return [name for _, name in object_commit.committed(object_store.parse(url))]
 
 
 def test_automatic_naming_keeps_the_newest_total_limit(tmp_path: Path) -> None:
