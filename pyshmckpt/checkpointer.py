@@ -137,7 +137,7 @@ def _mirror_root(mirror: Any, in_objects: bool) -> ObjectPath | None:
     return where
 
 
-def _drain_mirror(process: CheckpointProcess, bound: float) -> None:
+def drain_mirror(process: CheckpointProcess, bound: float) -> None:
     """Wait (at most `bound` seconds: the write timeout) until the writer has mirrored what it
     committed."""
     try:
@@ -890,7 +890,7 @@ class Checkpointer:
         self._finalizer.detach()
         try:
             if self.mirror is not None and not abort:
-                _drain_mirror(self._process, self._config.write_timeout_secs or 1800.0)
+                drain_mirror(self._process, self._config.write_timeout_secs or 1800.0)
             self._process.close(abort=abort)
         finally:
             self._release(keep_slots=False)
@@ -941,7 +941,7 @@ class Checkpointer:
             return
         try:
             if mirrored is not None:  # the mirror's bound
-                _drain_mirror(process, mirrored)
+                drain_mirror(process, mirrored)
             process.close()
         except Exception as exc:  # noqa: BLE001 - a finalizer has no caller to raise to
             logger.error("closing the checkpoint writer failed: %s", exc)

@@ -59,6 +59,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 import secrets
@@ -73,6 +74,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
+from ..checkpointer import drain_mirror
 from ..errors import (
     ClosedError,
     CommitError,
@@ -81,9 +83,11 @@ from ..errors import (
     NotSupportedError,
     from_os_error,
 )
-from ..storage import TorchFileWriter, liveness, locations
+from ..storage import TorchFileWriter, liveness, locations, object_store
+from ..storage.object_store import ObjectPath
 from ..transport import CheckpointProcess, CheckpointProcessConfig, RankInfo, no_init
 from .deepspeed_latest import LATEST, TagWriter, marker, write_marker
+from .deepspeed_mirror import fetch
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +139,12 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
             (at close(), on top of the time their pending writes may take).
         writer: the writer built in the writer process for each file (`TorchFileWriter`, or a
             `StateDictWriter` class taking ``rank_info=``).
+        mirror: an object storage root (``s3://bucket/prefix``) every tag published as
+            ``latest`` is copied to in the background: each rank's writer uploads its files
+            of the tag, and the tag is committed there once every rank's are up, every file's
+            size and CRC32C in its commit record; the mirror's ``latest`` then names it. `fetch`
+            copies a tag back into a save directory (a new node). ``close()`` waits for the
+            uploads (bounded by the write timeout); a writer whose trainer died finishes them.
 
     Attributes:
         checkpoint_process: the `CheckpointProcess` whose writer process writes the files
@@ -144,10 +154,13 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         world_size: the number of ranks (1 without torch.distributed).
 
     Raises:
-        ConfigError: ``commit_timeout`` is not a positive number, or ``config`` holds a value
-            not accepted.
+        ConfigError: ``commit_timeout`` is not a positive number, ``config`` holds a value
+            not accepted, or ``mirror`` is not in object storage.
         ConfigTypeError: ``config`` is neither pyshmckpt's nor torch's
             ``CheckpointProcessConfig``.
+        UnsupportedLocationError: ``mirror`` is a URL pyshmckpt does not write, or ``s3://``
+            without the s3 extra.
+        ObjectStoreError: the mirror's bucket is missing or the credentials are refused.
         PyshmckptOSError: the slots of ``config.capacity_bytes`` cannot be created.
     """
 
@@ -158,6 +171,7 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         config: CheckpointProcessConfig | Any = None,
         commit_timeout: float = 300.0,
         writer: Callable[..., Any] = TorchFileWriter,
+        mirror: str | None = None,
     ) -> None:
         super().__init__(config_params)
         self.name = "ShmCheckpointEngine"
@@ -169,7 +183,9 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         ):
             raise ConfigError(f"commit_timeout must be a positive number, not {commit_timeout!r}")
         self.commit_timeout = float(commit_timeout)
+        self.mirror = _mirror_root(mirror)
         process_config = CheckpointProcessConfig.starting_in_background(config)
+        self._mirror_bound = process_config.write_timeout_secs or 1800.0  # close() waits for it
         initialized = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if initialized else 0
         self.world_size = dist.get_world_size() if initialized else 1
@@ -183,7 +199,10 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         )
         try:
             self._run = self._shared_run_id()
-            tag_writer = {"writer": writer, "run": self._run, "commit_timeout": commit_timeout}
+            tag_writer = {
+                "writer": writer, "run": self._run, "commit_timeout": commit_timeout,
+                "mirror": None if self.mirror is None else str(self.mirror),
+            }  # fmt: skip
             #: The writer process (``pid``, ``last_write_seconds``), restarted after it died.
             self.checkpoint_process = CheckpointProcess(
                 RankInfo(self.rank, self.world_size), process_config, no_init, (),
@@ -195,6 +214,7 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         self._tags: list[_Tag] = []  # created and not yet settled, oldest first
         self._failed: list[_Tag] = []  # settled as failed (on some rank), not yet reported
         self._seals: list[Future[Any]] = []  # seal requests not answered yet (and the last)
+        self._seal_numbers = itertools.count(1)  # a sealed tag's attempt in the mirror
         self._writes: dict[str, Future[None]] = {}  # the last write of each path
         # This rank's heartbeat in each save directory: rank 0's writer waits for no rank whose
         # trainer and writer are gone (see deepspeed_latest).
@@ -409,8 +429,9 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
             self._beat_in(tag.info.save_dir)
             try:
                 sealing = self.checkpoint_process.call(
-                    "seal", save_dir=_absolute(tag.info.save_dir), tag=tag.info.tag, paths=paths
-                )
+                    "seal", save_dir=_absolute(tag.info.save_dir), tag=tag.info.tag, paths=paths,
+                    attempt=f"{self._run}.{next(self._seal_numbers)}",
+                )  # fmt: skip
                 self._seals = [f for f in self._seals if not f.done()] + [sealing]
             except Exception as exc:  # its writes failed too: the next step or save reports it
                 logger.error("checkpoint %r cannot be published: %s", tag.info.tag, exc)
@@ -436,6 +457,8 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         finally:
             self._closed = True
         try:
+            if self.mirror is not None:
+                drain_mirror(self.checkpoint_process, self._mirror_bound)
             self.checkpoint_process.close()  # every pending write and seal is settled after this
             tags, self._tags = self._tags, []
             self._record_failed([t for t in tags if t.status() != _DURABLE])
@@ -599,6 +622,16 @@ def _agreement_timeout(config: CheckpointProcessConfig, commit_timeout: float) -
     return timedelta(seconds=config.slots * config.write_timeout_secs + commit_timeout)
 
 
+def _mirror_root(mirror: Any) -> ObjectPath | None:
+    if mirror is None:
+        return None
+    where = locations.location(mirror, "mirror")
+    if not isinstance(where, ObjectPath):
+        raise ConfigError(f"mirror must be an object storage root (s3://...), not {mirror!r}")
+    object_store.check(where)  # its bucket and the credentials, before anything is saved
+    return where
+
+
 def _absolute(path: str | os.PathLike[str]) -> str:
     return str(locations.local_path(path, "checkpoint path").absolute())
 
@@ -675,4 +708,4 @@ def _sealing(engine: Any, save_checkpoint: Callable[..., Any]) -> Callable[..., 
     return save_and_seal
 
 
-__all__ = ["ShmCheckpointEngine", "use_pyshmckpt"]
+__all__ = ["ShmCheckpointEngine", "fetch", "use_pyshmckpt"]

@@ -14,6 +14,12 @@ file is not durable. Each rank's trainer and writer beat in the save directory
 still finishing counts as alive): a rank whose processes are all gone is not waited for, and
 ``latest`` stays, within the heartbeat timeout.
 
+With a mirror (object storage), each rank's writer then uploads its files of a tag it sealed
+durable (rank 0: of a tag it published) in the background, from the files, and the ranks
+commit the tag in the mirror as one checkpoint of those files (`storage.mirror`: they meet in
+the bucket, rank 0 writes its commit record with every file's size and CRC32C, then the
+mirror's ``latest``); a rank whose files are not durable gives the tag up there at once.
+
 This module runs in the writer process and does not import DeepSpeed.
 """
 
@@ -26,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import from_os_error
-from ..storage import commit, liveness, run_names
+from ..storage import commit, liveness, mirror, object_commit, object_store, run_names
+from ..storage.object_store import ObjectPath
 
 logger = logging.getLogger(__name__)
 
@@ -67,16 +74,25 @@ class TagWriter:
             taking ``rank_info=``).
         run: the secret id the ranks of one engine share (markers of other runs are ignored;
             see `storage.run_names`).
-        commit_timeout: seconds rank 0's writer waits for the other ranks' markers.
+        commit_timeout: seconds rank 0's writer waits for the other ranks' markers (and, in the
+            mirror, for their uploads).
+        mirror: the object storage root (``s3://...``) sealed tags are mirrored to (None: none).
     """
 
     def __init__(
-        self, rank_info: Any, *, writer: Callable[..., Any], run: str, commit_timeout: float
+        self,
+        rank_info: Any,
+        *,
+        writer: Callable[..., Any],
+        run: str,
+        commit_timeout: float,
+        mirror: str | None = None,
     ) -> None:
         self.rank, self.world_size = commit.rank_and_world(rank_info)
         self.writer = writer(rank_info=rank_info)
         self.run = run
         self.commit_timeout = float(commit_timeout)
+        self.mirror = object_store.parse(mirror) if mirror else None
         self._durable: set[str] = set()  # paths whose last write succeeded
         self._heartbeats: dict[Path, liveness.Heartbeat] = {}
 
@@ -93,10 +109,37 @@ class TagWriter:
         self.writer.write(path=path, state_dict=state_dict, **kwargs)
         self._durable.add(path)
 
-    def seal(self, save_dir: str, tag: str, paths: list[str]) -> bool:
+    def seal(self, save_dir: str, tag: str, paths: list[str], attempt: str | None = None) -> bool:
         """This rank handed over `paths` for `tag`, all written before this runs: say whether
         they are durable; rank 0 then publishes ``latest`` once every rank says so. Returns
-        whether it was published (rank 0) or this rank's files are durable (the others)."""
+        whether it was published (rank 0) or this rank's files are durable (the others). With a
+        mirror, the tag is then mirrored as `attempt` (the same on every rank)."""
+        done = self._seal(save_dir, tag, paths)
+        if self.mirror is not None:
+            self._mirror(self.mirror, Path(save_dir) / tag, paths, attempt, done)
+        return done
+
+    def _mirror(
+        self, root: ObjectPath, directory: Path, paths: list[str], attempt: str | None, ok: bool
+    ) -> None:
+        """Queue this rank's files of the tag in `directory` for the mirror `root`, or (not
+        `ok`) give the tag up there for every rank."""
+        target = root / directory.name
+        if not ok:
+            if self.world_size > 1 and attempt:
+                object_commit.abandon(
+                    str(root), directory.name, attempt, self.rank, self.world_size,
+                    f"rank {self.rank}'s files of {directory.name!r} are not durable",
+                )  # fmt: skip
+            return
+        files = tuple(Path(p).name for p in paths if Path(p).parent == directory)
+        mirror.MIRROR.put(
+            directory, target, files=files, checksums=True, keep_last=None, rank=self.rank,
+            world_size=self.world_size, attempt=attempt, barrier_timeout=self.commit_timeout,
+            replace=True,
+        )  # fmt: skip
+
+    def _seal(self, save_dir: str, tag: str, paths: list[str]) -> bool:
         durable = all(path in self._durable for path in paths)
         if self.world_size == 1:
             if durable:
@@ -146,6 +189,8 @@ class TagWriter:
         return True
 
     def close(self) -> None:
+        if self.mirror is not None and not mirror.drain(mirror.DRAIN_TIMEOUT):
+            logger.warning("tags were still being mirrored after %g s", mirror.DRAIN_TIMEOUT)
         for heartbeat in self._heartbeats.values():
             heartbeat.stop(remove=True)
         close = getattr(self.writer, "close", None)

@@ -25,10 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..shm.native import crc32c
 from . import commit, object_commit, object_store, object_upload, progress
 from .object_store import ObjectPath
 
 logger = logging.getLogger(__name__)
+
+DRAIN_TIMEOUT = 1800.0  # seconds a closing writer waits for its mirror (a save's write timeout)
 
 
 @dataclass
@@ -37,6 +40,7 @@ class _Job:
     files: dict[str, tuple[Any, memoryview]]  # name -> (its map, a view of it)
     options: dict[str, Any]  # object_commit.save's keyword arguments
     remove: bool = False  # remove `target` from the mirror instead of uploading it
+    checksums: bool = False  # record each object's CRC32C (files without checksums of their own)
 
 
 class Mirror:
@@ -49,10 +53,17 @@ class Mirror:
         self._thread: threading.Thread | None = None
 
     def put(
-        self, directory: Path, target: ObjectPath, *, files: tuple[str, ...], **options: Any
+        self,
+        directory: Path,
+        target: ObjectPath,
+        *,
+        files: tuple[str, ...],
+        checksums: bool = False,
+        **options: Any,
     ) -> None:
         """Queue the committed checkpoint `directory` (this rank's `files` of it) for `target`;
-        `options` are `object_commit.save`'s."""
+        `options` are `object_commit.save`'s. With `checksums`, the commit record holds each
+        object's CRC32C (``"crc32c"``), which a download checks (`object_download`)."""
         mapped: dict[str, tuple[Any, memoryview]] = {}
         for name in files:
             fd = os.open(directory / name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -62,7 +73,7 @@ class Mirror:
             finally:
                 os.close(fd)
             mapped[name] = (region, memoryview(region) if region is not None else memoryview(b""))
-        self._enqueue(_Job(target, mapped, options))
+        self._enqueue(_Job(target, mapped, options, checksums=checksums))
 
     def remove(self, target: ObjectPath) -> None:
         """Queue the removal of `target` from the mirror (after what is queued already: a
@@ -118,6 +129,8 @@ class Mirror:
             for name, (_, view) in job.files.items():
                 etag, size = object_upload.upload(target / name, [view])
                 out[name] = {"etag": etag, "size": size}
+                if job.checksums:
+                    out[name]["crc32c"] = crc32c(view)
             return out
 
         object_commit.save(job.target, upload, files=tuple(job.files), **job.options)
@@ -147,6 +160,6 @@ def remove_checkpoint(root: str, name: str, mirror: str) -> None:
         MIRROR.remove(object_store.parse(mirror) / name)
 
 
-def drain(timeout: float = 1800.0) -> bool:
+def drain(timeout: float = DRAIN_TIMEOUT) -> bool:
     """`Mirror.drain` of this writer process's mirror (a call the Checkpointer makes)."""
     return MIRROR.drain(timeout)

@@ -33,6 +33,7 @@ never committed) is removed when a root is opened once it is older than
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import errno
 import json
@@ -342,7 +343,7 @@ class _SharedSave:
             parts = entry["Key"][len((root / PENDING).prefix) :].split("/")
             if len(parts) != 3:
                 continue
-            name, attempt, _ = parts
+            name, attempt, file = parts
             number = attempt.partition(".")[0]
             earlier = number.isdigit() and int(number) < int(self.number)
             if earlier and attempt == _attempt_name(self.run_id, number):  # only this run's
@@ -353,8 +354,19 @@ class _SharedSave:
                         for listed in object_store.listing(root / name)
                         if ours(listed["Key"][len(root.prefix) :])
                     ]
+                    # The objects a rank's marker names (files of other names than rank files,
+                    # a framework's mirrored: `mirror.Mirror.put`).
+                    if _RANK_FILE.fullmatch(file):
+                        marker = dataclasses.replace(root, key=entry["Key"])
+                        named = _parsed(object_store.get(marker, limit=_SMALL_LIMIT)) or {}
+                        doomed += [(root / name / n).key for n in named if _plain_name(n)]
         with contextlib.suppress(ObjectStoreError):
             object_store.delete(self.path, sorted(set(doomed)))
+
+
+def _plain_name(name: Any) -> bool:
+    """Whether `name` is an object's name within a checkpoint (no path, nothing hidden)."""
+    return isinstance(name, str) and bool(name) and "/" not in name and not name.startswith(".")
 
 
 def _parsed(raw: bytes | None) -> dict[str, Any] | None:

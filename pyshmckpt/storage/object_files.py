@@ -9,6 +9,7 @@ entry's CRC32C as for a file.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import mmap
@@ -138,6 +139,16 @@ class RemoteBytes:
 
     def fetch_all(self) -> None:
         self.fetch([(0, self.size)])
+
+    def checksum(self) -> int:
+        """The CRC32C of the image (of the whole object once `fetch_all` read it)."""
+        return crc32c(self._image)
+
+    def close(self) -> None:
+        """Unmap the image (the memory or file behind it stays); after a failed read, the
+        traceback may still hold views of it, and the map then goes with them."""
+        with contextlib.suppress(BufferError):
+            self._image.close()
 
     def fetch(self, ranges: Iterable[tuple[int, int]]) -> None:
         """Make the image hold the (start, length) `ranges` of the object."""

@@ -188,7 +188,6 @@ def _coalesce(view: memoryview, sources: list[tuple[int, int]]) -> list[memoryvi
     return [view[start : start + size] for start, size in merged]
 
 
-MIRROR_DRAIN = 1800.0  # seconds a closing writer waits for its mirror (a save's write timeout)
 DIRECT_IO_BLOCK = 4096  # O_DIRECT alignment of file offsets, lengths and memory (safe for 512 too)
 DIRECT_IO_CHUNK = 32 << 20  # bytes per O_DIRECT pwrite
 DIRECT_IO_THREADS = 4  # pwrites in flight
@@ -273,8 +272,8 @@ class SafetensorsWriter:
     def close(self) -> None:
         """Wait (bounded) for the checkpoints queued for the mirror, and for old checkpoints
         that retention is deleting in the background."""
-        if self.mirror is not None and not mirror.drain(MIRROR_DRAIN):
-            logger.warning("checkpoints were still being mirrored after %g s", MIRROR_DRAIN)
+        if self.mirror is not None and not mirror.drain(mirror.DRAIN_TIMEOUT):
+            logger.warning("checkpoints were still being mirrored after %g s", mirror.DRAIN_TIMEOUT)
         if not commit.wait_for_deletions(60.0):
             logger.warning("old checkpoints were still being deleted after 60 s")
 

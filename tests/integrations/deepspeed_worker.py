@@ -45,7 +45,7 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder  # noqa: E402
 
 from pyshmckpt import CheckpointProcessConfig, CommitError, NotSupportedError  # noqa: E402
-from pyshmckpt.integrations.deepspeed import use_pyshmckpt  # noqa: E402
+from pyshmckpt.integrations.deepspeed import fetch, use_pyshmckpt  # noqa: E402
 from pyshmckpt.storage import TorchFileWriter  # noqa: E402
 
 from helpers import end_distributed  # noqa: E402
@@ -106,11 +106,11 @@ def build(stage: int, seed: int) -> Any:
     return engine
 
 
-def ours(engine: Any, writer: Any = TorchFileWriter) -> Any:
+def ours(engine: Any, writer: Any = TorchFileWriter, **options: Any) -> Any:
     config = CheckpointProcessConfig(
         subprocess_init_timeout_secs=60, subprocess_shutdown_timeout_secs=15, write_timeout_secs=60
     )
-    return use_pyshmckpt(engine, config=config, commit_timeout=BOUND, writer=writer)
+    return use_pyshmckpt(engine, config=config, commit_timeout=BOUND, writer=writer, **options)
 
 
 def train(engine: Any, steps: int) -> list[float]:
@@ -361,7 +361,40 @@ def commit_scenario(out: Path) -> None:
     engine.destroy()
 
 
+def mirror_scenario(out: Path) -> None:
+    """Tags mirrored to object storage (MIRROR: its URL), fetched into a new save directory
+    (a new node's disk) and resumed from there by DeepSpeed's own engine, bitwise."""
+    url = os.environ["MIRROR"]
+    save_dir, fetched = out / "mirrored", out / "fetched"
+    engine = build(1, seed=0)
+    ours(engine, mirror=url)
+    train(engine, 2)
+    engine.save_checkpoint(str(save_dir), tag="step2")
+    train(engine, 1)
+    engine.save_checkpoint(str(save_dir), tag="step3")
+    train(engine, 3)
+    reference = parameters(engine)
+    engine.destroy()  # waits for the uploads
+    dist.barrier()
+    if dist.get_rank() == 0:
+        check(fetch(url, fetched) == "step3", "the mirror's newest is not step3")
+        check(latest(fetched) == "step3", f"fetched latest is {latest(fetched)!r}")
+        files = [n for n in names_in(save_dir / "step3") if not n.startswith(".")]
+        engine_files = [p.name for p in tag_files(save_dir, "step3", stage=1)]
+        check(sorted(engine_files) == files, f"the tag holds {files}")
+        check(files == names_in(fetched / "step3"), f"fetched {names_in(fetched / 'step3')}")
+        for name in files:
+            mine, theirs = save_dir / "step3" / name, fetched / "step3" / name
+            check(mine.read_bytes() == theirs.read_bytes(), f"{name} differs from the saved one")
+        check(fetch(url, out / "older", tag="step2") == "step2", "fetching step2 by its tag")
+    dist.barrier()
+    fresh = build(1, seed=1)  # DeepSpeed's own engine, on the fetched directory
+    resume_bitwise(fresh, fetched, reference, "the fetched mirror")
+    fresh.destroy()
+
+
 SCENARIOS = {
+    "mirror": mirror_scenario,
     "resume0": lambda out: resume(out, 0),
     "resume1": lambda out: resume(out, 1),
     "commit": commit_scenario,

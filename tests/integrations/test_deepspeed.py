@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pyshmckpt import CheckpointProcess, WriterOSError
+from pyshmckpt import CheckpointCorruptError, CheckpointProcess, WriterOSError
+from pyshmckpt.integrations.deepspeed_mirror import fetch
 from pyshmckpt.storage import TorchFileWriter
 
 from helpers import (
@@ -69,6 +70,34 @@ def test_stage1_two_ranks_resume_latest_only_when_durable_and_a_killed_writer(tm
         str(WORKER), str(tmp_path), "resume1", "commit",
     ]  # fmt: skip
     run(command, {**child_env(), "DS_ACCELERATOR": "cpu"})
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_two_ranks_mirror_their_tags_and_a_new_node_resumes_from_the_mirror(tmp_path, bucket):
+    from pyshmckpt.storage import object_commit, object_store
+
+    url = bucket.url("deepspeed")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--max-restarts", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        str(WORKER), str(tmp_path), "mirror",
+    ]  # fmt: skip
+    run(command, {**child_env(), "DS_ACCELERATOR": "cpu", "MIRROR": url})
+    root = object_store.parse(url)
+    assert [name for _, name in object_commit.committed(root)] == ["step2", "step3"]
+    record = object_commit.record_of(root / "step3")
+    assert record["world_size"] == 2
+    assert all(isinstance(entry["crc32c"], int) for entry in record["objects"].values())
+    assert bucket.keys("deepspeed/.pending/") == []
+    (tmp_path / "fetched" / "step3" / "mp_rank_00_model_states.pt").unlink()
+    damaged = bucket.client.put_object(
+        Bucket=bucket.name, Key="deepspeed/step3/mp_rank_00_model_states.pt", Body=b"not it"
+    )
+    assert damaged["ETag"] != record["objects"]["mp_rank_00_model_states.pt"]["etag"]
+    with pytest.raises(CheckpointCorruptError, match="changed"):
+        fetch(url, tmp_path / "again")
+    assert not (tmp_path / "again" / "latest").exists()
 
 
 SCRIPT = WORKER.with_name("deepspeed_script.py")
