@@ -129,6 +129,8 @@ class Mirror:
             for name, (_, view) in job.files.items():
                 etag, size = object_upload.upload(target / name, [view])
                 out[name] = {"etag": etag, "size": size}
+                if name.endswith(".safetensors") and size >= 8:  # as `_upload_files` records it
+                    out[name]["header"] = 8 + int.from_bytes(view[:8], "little")
                 if job.checksums:
                     out[name]["crc32c"] = crc32c(view)
             return out

@@ -112,6 +112,12 @@ def committed(root: ObjectPath) -> list[tuple[int, str]]:
 def newest(root: ObjectPath) -> tuple[ObjectPath, dict[str, Any]] | None:
     """The checkpoint ``latest`` names when it is committed, else the newest committed one by
     commit sequence, with its commit record; None when there is none."""
+    return pointed(root) or listed_newest(root)
+
+
+def pointed(root: ObjectPath) -> tuple[ObjectPath, dict[str, Any]] | None:
+    """The checkpoint ``latest`` names and its commit record (None: no ``latest``, or it names
+    nothing committed)."""
     pointer = _latest_pointer(root)
     if pointer is not None:
         name = pointer.get("name")
@@ -119,6 +125,11 @@ def newest(root: ObjectPath) -> tuple[ObjectPath, dict[str, Any]] | None:
             record = record_of(root / name)
             if record is not None:
                 return root / name, record
+    return None
+
+
+def listed_newest(root: ObjectPath) -> tuple[ObjectPath, dict[str, Any]] | None:
+    """The newest committed checkpoint by commit sequence, found by listing the root."""
     listed = _records(root)
     return (root / listed[-1][1], listed[-1][2]) if listed else None
 

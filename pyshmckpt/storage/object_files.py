@@ -29,7 +29,7 @@ from ..errors import (
     ObjectStoreError,
     from_os_error,
 )
-from ..shm.native import copy_threads, crc32c
+from ..shm.native import crc32c, crc32c_combine
 from . import object_commit, object_store
 from .object_store import ObjectPath
 from .object_upload import part_size
@@ -47,10 +47,23 @@ def resolve(path: ObjectPath) -> tuple[ObjectPath, dict[str, Any]]:
     Raises:
         CheckpointNotFoundError: nothing committed there.
     """
-    record = object_commit.record_of(path) if path.key else None
-    if record is not None:
-        return path, record
-    return newest(path)
+    if not path.key:
+        return newest(path)
+    # One round trip for both (a load waits for them): is `path` a checkpoint, and, were it a
+    # root, which checkpoint its `latest` names.
+    with ThreadPoolExecutor(2) as pool:
+        own = pool.submit(object_commit.record_of, path)
+        named = pool.submit(object_commit.pointed, path)
+        record = own.result()
+        if record is not None:
+            return path, record
+        found = named.result()
+    if found is not None:
+        return found
+    listed = object_commit.listed_newest(path)
+    if listed is None:
+        raise CheckpointNotFoundError(str(path), "checkpoint missing: none committed there")
+    return listed
 
 
 def newest(root: ObjectPath) -> tuple[ObjectPath, dict[str, Any]]:
@@ -70,10 +83,24 @@ def ranks(record: dict[str, Any]) -> list[int]:
 
 
 def _object(checkpoint: ObjectPath, record: dict[str, Any], name: str) -> tuple[str, int]:
+    entry = _entry(checkpoint, record, name)
+    return str(entry.get("etag", "")), int(entry["size"])
+
+
+def _entry(checkpoint: ObjectPath, record: dict[str, Any], name: str) -> dict[str, Any]:
     entry = record["objects"].get(name)
     if not isinstance(entry, dict) or type(entry.get("size")) is not int:
         raise CheckpointCorruptError(str(checkpoint / name), "the commit record does not name it")
-    return str(entry.get("etag", "")), int(entry["size"])
+    return entry
+
+
+def _first_read(entry: dict[str, Any], size: int) -> int:
+    """How many of the data object's first bytes to read with the manifest: its header, as the
+    commit record gives it (``"header"``), or a guess (a record without it)."""
+    header = entry.get("header")
+    if type(header) is int and 8 <= header <= size:
+        return header
+    return min(size, _HEADER_GUESS)
 
 
 def open_rank(checkpoint: ObjectPath, record: dict[str, Any], rank: int) -> OpenedRank:
@@ -85,18 +112,9 @@ def open_rank(checkpoint: ObjectPath, record: dict[str, Any], rank: int) -> Open
         raise CheckpointCorruptError(
             str(checkpoint), f"rank {rank} is not among the checkpoint's ranks {ranks(record)}"
         )
-    etag, _ = _object(checkpoint, record, json_name)
-    raw = object_store.get(json_path, limit=_MANIFEST_LIMIT, if_match=etag or None)
-    if raw is None:
-        raise CheckpointCorruptError(str(json_path), f"rank {rank}'s manifest is missing")
-    try:
-        described = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise CheckpointCorruptError(str(json_path), f"unreadable manifest: {exc}") from None
-    if not isinstance(described, dict) or described.get("format") != FORMAT:
-        raise CheckpointCorruptError(str(json_path), "not a pyshmckpt manifest")
-    check_format_version(str(json_path), described)
+    json_etag, _ = _object(checkpoint, record, json_name)
     etag, size = _object(checkpoint, record, st_name)
+    first_bytes = _first_read(_entry(checkpoint, record, st_name), size)
     if size < 8:
         raise CheckpointCorruptError(str(st_path), f"the object is {size} bytes: no header")
     fd = os.memfd_create(f"pyshmckpt-{st_name}", os.MFD_CLOEXEC)
@@ -104,8 +122,14 @@ def open_rank(checkpoint: ObjectPath, record: dict[str, Any], rank: int) -> Open
     try:
         os.ftruncate(fd, size)
         remote = RemoteBytes(st_path, etag, size, fd)
+        # The manifest and the data object's header in one round trip.
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(remote.fetch, [(0, first_bytes)])
+            raw = object_store.get(json_path, limit=_MANIFEST_LIMIT, if_match=json_etag or None)
+            first.result()
+        described = _manifest(json_path, rank, raw)
         (length,) = struct.unpack("<Q", remote.fetched(0, 8))
-        remote.fetch([(8, min(length, size - 8))])
+        remote.fetch([(8, min(length, size - 8))])  # what the first bytes did not hold
         header = parse_header(str(st_path), f, size)
         try:
             mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
@@ -117,7 +141,21 @@ def open_rank(checkpoint: ObjectPath, record: dict[str, Any], rank: int) -> Open
     return OpenedRank(json_path, st_path, described, header, mapped, f, remote)  # type: ignore[arg-type]
 
 
+def _manifest(json_path: ObjectPath, rank: int, raw: bytes | None) -> dict[str, Any]:
+    if raw is None:
+        raise CheckpointCorruptError(str(json_path), f"rank {rank}'s manifest is missing")
+    try:
+        described = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointCorruptError(str(json_path), f"unreadable manifest: {exc}") from None
+    if not isinstance(described, dict) or described.get("format") != FORMAT:
+        raise CheckpointCorruptError(str(json_path), "not a pyshmckpt manifest")
+    check_format_version(str(json_path), described)
+    return described
+
+
 _GAP = 1 << 20  # bytes between two wanted ranges read with them rather than by another request
+_HEADER_GUESS = 64 << 10  # bytes read first where the record does not give the header's size
 
 
 class RemoteBytes:
@@ -181,6 +219,7 @@ class RemoteBytes:
                 targets[i] = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
         limit = part_size(self.size)
         jobs: list[list[tuple[int, memoryview]]] = []
+        owners: list[int] = []  # the row of each piece, in the order of the jobs' pieces
         for i, target in targets.items():  # pieces of at most a part, in groups of at most a part
             offset = int(rows[i, 0])
             for a, b in _split(offset, offset + len(target)):
@@ -190,21 +229,35 @@ class RemoteBytes:
                     last.append(piece)
                 else:
                     jobs.append([piece])
-        self._get_all(jobs)
+                owners.append(i)
+        # Each piece's CRC32C is computed by the thread that read it, as soon as it landed
+        # (the other reads go on meanwhile); a row's pieces, in order, combine into its own.
+        landed = self._get_all(jobs, checksums=checksums)
         crcs = np.zeros(len(rows), dtype=np.uint32)
-        if checksums and targets:
-            with ThreadPoolExecutor(max(1, copy_threads())) as pool:
-                for i, crc in zip(targets, pool.map(crc32c, targets.values()), strict=True):
-                    crcs[i] = crc
+        if checksums:
+            seen: set[int] = set()
+            pieces = (piece for job in jobs for piece in job)
+            for row, (_, view), crc in zip(
+                owners, pieces, (c for job in landed for c in job), strict=True
+            ):
+                crcs[row] = crc32c_combine(int(crcs[row]), crc, len(view)) if row in seen else crc
+                seen.add(row)
         return crcs, rows[:, 2].copy()
 
-    def _get_all(self, jobs: list[list[tuple[int, memoryview]]]) -> None:
+    def _get_all(
+        self, jobs: list[list[tuple[int, memoryview]]], *, checksums: bool = False
+    ) -> list[list[int]]:
+        """Read every job (one ranged GET each, in parallel); with `checksums`, the CRC32C of
+        each of its pieces, per job."""
+
+        def read(job: list[tuple[int, memoryview]]) -> list[int]:
+            _get(self.path, self.etag, job)
+            return [crc32c(view) for _, view in job] if checksums else []
+
         if len(jobs) == 1:
-            _get(self.path, self.etag, jobs[0])
-            return
+            return [read(jobs[0])]
         with ThreadPoolExecutor(min(knobs.object_concurrency(), len(jobs))) as pool:
-            for done in [pool.submit(_get, self.path, self.etag, job) for job in jobs]:
-                done.result()
+            return [done.result() for done in [pool.submit(read, job) for job in jobs]]
 
 
 def _end(job: list[tuple[int, memoryview]]) -> int:

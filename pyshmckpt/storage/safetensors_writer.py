@@ -354,7 +354,9 @@ class SafetensorsWriter:
     ) -> dict[str, dict[str, Any]]:
         """Upload the rank's files as objects under `target`: the data straight from the slot
         (its image, so the parts are views of the slot but the first, which holds the header),
-        then the manifest. Returns the objects: name -> {"etag", "size"}."""
+        then the manifest. Returns the objects: name -> {"etag", "size"}, and for the data
+        object ``"header"``, the bytes of its header (its length field included), which a load
+        reads first."""
         plan = plan_file(manifest, mirror_slot=True)
         ranges = np.array(plan.sources, dtype=np.uint64).reshape(-1, 2)
         st_name, json_name = file_names(self.rank)
@@ -373,7 +375,7 @@ class SafetensorsWriter:
         described = self._described(plan, crcs, tree, staged_ns)
         json_etag = object_store.put(target / json_name, described)
         return {
-            st_name: {"etag": etag, "size": size},
+            st_name: {"etag": etag, "size": size, "header": len(header)},
             json_name: {"etag": json_etag, "size": len(described)},
         }
 
