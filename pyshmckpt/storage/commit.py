@@ -307,9 +307,13 @@ def _delete(directory: Path, *, background: bool) -> None:
     if not background:
         shutil.rmtree(directory, ignore_errors=True)
         return
-    thread = threading.Thread(
-        target=shutil.rmtree, args=(directory, True), name="pyshmckpt-trash", daemon=True
-    )
+    delete_in_background(shutil.rmtree, directory, True)
+
+
+def delete_in_background(function: Callable[..., object], *args: Any) -> None:
+    """Run `function(*args)`, a deletion, on a daemon thread that `wait_for_deletions` waits
+    for (a writer closing)."""
+    thread = threading.Thread(target=function, args=args, name="pyshmckpt-trash", daemon=True)
     thread.start()
     with _DELETIONS_LOCK:
         _DELETIONS[:] = [t for t in _DELETIONS if t.is_alive()] + [thread]

@@ -39,6 +39,7 @@ import errno
 import json
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -46,7 +47,7 @@ from typing import Any
 
 from .. import knobs
 from ..errors import CommitError, CommitTimeoutError, ObjectStoreError, os_error
-from . import object_store, progress, run_names
+from . import commit, object_store, progress, run_names
 from .commit import COMMIT_RECORD, LATEST, check_name
 from .object_store import ObjectPath
 from .shared_commit import number_of, public_attempt, run_of
@@ -170,10 +171,13 @@ def save(
     replace: bool = False,
     link_latest: bool = True,
     staged_ns: int | None = None,
+    background_retention: bool = False,
 ) -> ObjectPath:
     """Upload this rank's `files` of a checkpoint with `upload(path)` (which returns the objects
     it wrote: relative name -> ``{"etag", "size"}``) and commit it as `path` (see the module docstring), then
-    update ``latest`` (unless `link_latest` is False) and apply retention. With world_size > 1
+    update ``latest`` (unless `link_latest` is False) and apply retention (with
+    `background_retention`, on a thread `commit.wait_for_deletions` waits for: the save is
+    answered once committed, and a retention that fails is logged). With world_size > 1
     every rank calls this with the same `path` and `attempt` (``<run>.<number>``). `staged_ns`
     (when the save was staged) goes into the commit record.
 
@@ -204,9 +208,22 @@ def save(
             object_store.put(
                 root / LATEST, json.dumps({"name": path.name, "sequence": sequence}).encode()
             )
-        if keep_last is not None:
+        if keep_last is not None and background_retention:
+            commit.delete_in_background(_retain_logged, root, keep_last)
+        elif keep_last is not None:
             retain(root, keep_last)
     return path
+
+
+_retentions = threading.Lock()  # one at a time: two would remove the same checkpoints
+
+
+def _retain_logged(root: ObjectPath, keep_last: int) -> None:
+    with _retentions:
+        try:
+            retain(root, keep_last)
+        except Exception as exc:  # the new checkpoint is committed: say so, the next one retries
+            logger.warning("retention (keep_last=%d) in %s failed: %s", keep_last, root, exc)
 
 
 def _upload_or_clean(

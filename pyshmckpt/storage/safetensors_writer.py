@@ -255,6 +255,7 @@ class SafetensorsWriter:
                 object_store.parse(str(path)),
                 lambda target: self._upload_files(target, slot, manifest, tree, staged_ns),
                 self.keep_last,
+                background_retention=True,  # the save is answered once committed
                 **stored,
             )
             return
