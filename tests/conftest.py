@@ -1,5 +1,6 @@
 """Shared fixtures: the shared-memory leak check, GPU skipping, and small state dicts (and, from
-`s3servers`, an S3 API server and a bucket per test)."""
+`s3servers` and `gcsservers`, an S3 API server, a Google Cloud Storage API server and a bucket
+per test)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 pytest.register_assert_rewrite("helpers")  # its checks must hold under python -O too
-pytest_plugins = ["s3servers"]  # the object storage tests' server and buckets
+pytest_plugins = ["s3servers", "gcsservers"]  # the object storage tests' servers and buckets
 
 import pyshmckpt  # noqa: E402
 
@@ -30,6 +31,11 @@ os.environ["PYSHMCKPT_SEGMENT_PREFIX"] = SESSION_PREFIX
 # tier): for 0 s in the tests of everything else, which wait for such writers to exit; the tests
 # of the memory tier pass their own hold timeout.
 os.environ["PYSHMCKPT_HOLD_TIMEOUT"] = "0"
+# Without credentials, cloud clients ask a metadata server (169.254.169.254) for some: the tests'
+# traffic stays on this machine.
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+os.environ["NO_GCE_CHECK"] = "True"
+os.environ["GCE_METADATA_HOST"] = os.environ["GCE_METADATA_IP"] = "127.0.0.1:9"
 # Segments made directly with the native default prefix by this process.
 DIRECT_PREFIX = f"pyshmckpt-{os.getpid()}-"
 

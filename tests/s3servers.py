@@ -193,9 +193,9 @@ class Bucket:
 
     @property
     def client(self) -> Any:
-        from pyshmckpt.storage import object_store
+        from pyshmckpt.storage.stores import s3
 
-        return object_store.client()
+        return s3.client()
 
     def keys(self, prefix: str = "") -> list[str]:
         listed = self.client.list_objects_v2(Bucket=self.name, Prefix=prefix)

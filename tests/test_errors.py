@@ -41,7 +41,7 @@ def sample(cls: type[BaseException]) -> BaseException:
     if issubclass(cls, errors.WriterError):
         return cls("checkpoint writer raised:\nTraceback ...", "builtins.ValueError")
     if issubclass(cls, errors.UnsupportedLocationError):
-        return cls("gs://bucket/run", "Google Cloud Storage is not supported")
+        return cls("az://container/run", "Azure Blob Storage is not supported")
     if issubclass(cls, errors.ObjectStoreError):
         return cls("s3://bucket/run/step-1/rank0.safetensors",
                    "uploading part 3 failed: SlowDown (HTTP 503)", "SlowDown", 503)  # fmt: skip

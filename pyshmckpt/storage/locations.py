@@ -1,11 +1,11 @@
 """Where checkpoints go: a local (or shared) filesystem path, or object storage (``s3://``,
-`object_store`). A URL is never taken for a local path.
+``gs://``: `object_store`). A URL is never taken for a local path.
 
 ``Path("s3://bucket/run")`` is the relative path ``s3:/bucket/run``: written there, checkpoints
 would land in a directory named ``s3:`` of the current directory while the caller believes them
 in a bucket. So every place that takes a checkpoint root, directory or file passes it through
 `location` (the Checkpointer, `load`, `verify`, the command line: ``s3://`` is object storage)
-or `local_path` (the framework adapters, which need a directory), which refuse anything else that
+or `local_path` (DeepSpeed's save directory, which must be a directory), which refuse anything else that
 starts like a URL (``scheme:/``, also after a Path collapsed its ``//``) with
 `UnsupportedLocationError`, and take ``file://`` URLs as the path they name.
 """
@@ -25,20 +25,20 @@ from .object_store import ObjectPath
 # A URL's scheme (RFC 3986) and the slash that follows it: "s3://b/k", or "s3:/b/k" once a Path
 # collapsed the double slash.
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):/")
-_OBJECT_STORES = {
-    "s3": "Amazon S3 or a service speaking its API",
-    "s3a": "Amazon S3",
-    "gs": "Google Cloud Storage",
-    "gcs": "Google Cloud Storage",
-    "az": "Azure Blob Storage",
-    "abfs": "Azure Data Lake Storage",
-    "abfss": "Azure Data Lake Storage",
+# Services pyshmckpt does not write, by the schemes their URLs take: (the service, the URL of
+# one it does write, where there is one).
+_OTHER_STORES = {
+    "s3a": ("Amazon S3 through Hadoop's s3a", "s3://bucket/prefix"),
+    "gcs": ("Google Cloud Storage through fsspec's gcs://", "gs://bucket/prefix"),
+    "az": ("Azure Blob Storage", None),
+    "abfs": ("Azure Data Lake Storage", None),
+    "abfss": ("Azure Data Lake Storage", None),
 }
 
 
 def location(value: Any, what: str = "checkpoint location") -> Path | ObjectPath:
     """`value` as a local path, or as an `ObjectPath` for a URL of object storage pyshmckpt
-    reads and writes (``s3://``; see `object_store`).
+    reads and writes (``s3://``, ``gs://``; see `object_store`).
 
     Raises:
         UnsupportedLocationError: another URL, an invalid bucket or key, or object storage
@@ -79,7 +79,7 @@ def local_path(value: Any, what: str = "checkpoint location") -> Path:
                 text, f"a file:// URL of another host ({parts.netloc}) is not a local path"
             )
         return Path(unquote(parts.path))
-    service = _OBJECT_STORES.get(scheme)
+    other = _OTHER_STORES.get(scheme)
     if scheme in object_store.SCHEMES and "://" not in text:
         why = (
             f"a URL with one slash after '{scheme}:' is not supported: a Path collapses the "
@@ -91,14 +91,18 @@ def local_path(value: Any, what: str = "checkpoint location") -> Path:
             "or shared filesystem (object storage is a Checkpointer's root, and a path of "
             "load, verify and inspect)"
         )
-    elif service is not None:
-        why = (
-            f"{service} is not supported: pyshmckpt writes object storage through the S3 API "
-            "(s3://, and AWS_ENDPOINT_URL for another service that speaks it)"
+    elif other is not None:
+        service, instead = other
+        why = f"{service} is not supported: " + (
+            f"write {instead}"
+            if instead
+            else "pyshmckpt writes object storage through the S3 API (s3://, and "
+            "AWS_ENDPOINT_URL for another service that speaks it) and Google Cloud Storage "
+            "(gs://)"
         )
     else:
         why = (
             f"'{scheme}:' URLs are not supported: a {what} is a directory on a local or shared "
-            "filesystem, or s3://bucket/prefix"
+            "filesystem, or s3://bucket/prefix or gs://bucket/prefix"
         )
     raise UnsupportedLocationError(text, why)

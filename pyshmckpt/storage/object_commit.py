@@ -494,18 +494,11 @@ def clean_leftovers(root: str) -> list[str]:
         seconds=knobs.object_abandoned_after()
     )
     removed: list[str] = []
-    store = object_store.client()
-    paginator = store.get_paginator("list_multipart_uploads")
-    try:
-        for page in paginator.paginate(Bucket=where.bucket, Prefix=where.prefix):
-            for upload in page.get("Uploads", []):
-                if upload["Initiated"] < limit and ours(upload["Key"][len(where.prefix) :]):
-                    from .object_upload import abort
-
-                    abort(where / upload["Key"][len(where.prefix) :], upload["UploadId"])
-                    removed.append(f"upload of {upload['Key']}")
-    except Exception as exc:
-        raise object_store.error(where, "listing multipart uploads", exc) from exc
+    store = object_store.store(where)
+    for key, began, handle in store.unfinished(where):
+        if began < limit and ours(key[len(where.prefix) :]):
+            store.abort(where, key, handle)
+            removed.append(f"upload of {key}")
     doomed: list[str] = []
     for entry in object_store.listing(where / PENDING):
         if entry["LastModified"] < limit:

@@ -26,7 +26,6 @@ from .. import knobs
 from ..errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
-    ObjectStoreError,
     from_os_error,
 )
 from ..shm.native import crc32c, crc32c_combine
@@ -217,7 +216,7 @@ class RemoteBytes:
                 raise CheckpointCorruptError(str(self.path), "a range lies past the object's end")
             if nbytes:
                 targets[i] = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
-        limit = part_size(self.size)
+        limit = part_size(self.size, object_store.store(self.path).max_parts)
         jobs: list[list[tuple[int, memoryview]]] = []
         owners: list[int] = []  # the row of each piece, in the order of the jobs' pieces
         for i, target in targets.items():  # pieces of at most a part, in groups of at most a part
@@ -250,8 +249,10 @@ class RemoteBytes:
         """Read every job (one ranged GET each, in parallel); with `checksums`, the CRC32C of
         each of its pieces, per job."""
 
+        store = object_store.store(self.path)
+
         def read(job: list[tuple[int, memoryview]]) -> list[int]:
-            _get(self.path, self.etag, job)
+            store.read_ranges(self.path, self.etag, job)
             return [crc32c(view) for _, view in job] if checksums else []
 
         if len(jobs) == 1:
@@ -293,40 +294,3 @@ def _without(start: int, end: int, have: list[tuple[int, int]]) -> list[tuple[in
     if cursor < end:
         out.append((cursor, end))
     return out
-
-
-def _get(path: ObjectPath, etag: str, pieces: list[tuple[int, memoryview]]) -> None:
-    """One ranged GET of the bytes from the first piece's start to the last one's end, each
-    piece's bytes into its view (the bytes between pieces are read and dropped)."""
-    first, last = pieces[0][0], _end(pieces)
-    extra = {"IfMatch": etag} if etag else {}
-    where = f"reading bytes {first}-{last - 1}"
-    try:
-        answer = object_store.client().get_object(
-            Bucket=path.bucket, Key=path.key, Range=f"bytes={first}-{last - 1}", **extra
-        )
-        with answer["Body"] as body:
-            cursor = first
-            for start, view in pieces:
-                while cursor < start:  # a gap between two wanted ranges
-                    skipped = len(body.read(min(start - cursor, 1 << 20)))
-                    if not skipped:
-                        raise ObjectStoreError(str(path), f"{where} ended at byte {cursor}")
-                    cursor += skipped
-                got = 0
-                while got < len(view):
-                    n = body.readinto(view[got:])
-                    if not n:
-                        raise ObjectStoreError(str(path), f"{where} ended at byte {cursor + got}")
-                    got += n
-                cursor += got
-    except ObjectStoreError:
-        raise
-    except Exception as exc:
-        if object_store.precondition_failed(exc):
-            raise CheckpointCorruptError(
-                str(path), "the object changed after its checkpoint was committed (replaced?)"
-            ) from None
-        if object_store.missing(exc):
-            raise CheckpointCorruptError(str(path), "the object is missing") from None
-        raise object_store.error(path, where, exc) from exc

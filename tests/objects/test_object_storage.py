@@ -195,5 +195,7 @@ def test_unsupported_settings_are_refused(bucket):
         pyshmckpt.Checkpointer(bucket.url(), hold=True)
     with pytest.raises(pyshmckpt.UnsupportedLocationError, match="bucket name"):
         pyshmckpt.Checkpointer("s3://No_Such/run")
-    with pytest.raises(pyshmckpt.UnsupportedLocationError, match="Google Cloud Storage"):
-        pyshmckpt.load("gs://bucket/run")
+    with pytest.raises(pyshmckpt.UnsupportedLocationError, match="Azure Blob Storage"):
+        pyshmckpt.load("az://container/run")
+    with pytest.raises(pyshmckpt.UnsupportedLocationError, match="write gs://"):
+        pyshmckpt.load("gcs://bucket/run")

@@ -1,0 +1,431 @@
+"""Google Cloud Storage (``gs://``), through google-cloud-storage's client (the ``gcs`` extra).
+
+Credentials and project come from Google's Application Default Credentials as for any Google
+Cloud tool (``GOOGLE_APPLICATION_CREDENTIALS``, ``gcloud auth application-default login``, the
+metadata server of a VM or a GKE workload identity; ``GOOGLE_CLOUD_PROJECT``);
+``STORAGE_EMULATOR_HOST`` points the client at another server (an emulator, anonymously).
+
+Every request is bounded: a connect and a read timeout per try, and at most
+``PYSHMCKPT_OBJECT_ATTEMPTS`` tries, the library's own retries off, with exponential backoff and
+full jitter for throttling (429), server errors and dropped connections. An object's "ETag" here
+is its generation: a read names the generation its commit recorded, and an object replaced since
+is not found (no read of a mix). A commit record is created with ``ifGenerationMatch=0``, the
+service's conditional create.
+
+Uploads in several parts: the JSON API has no multipart upload of parts, so each part is an
+object of its own (``<key>.pyshmckpt-part-<token>-<n>``, its CRC32C given for the service to
+check), uploaded several at once, then composed into the object (at most 32 sources per compose:
+a tree of composes beyond), whose CRC32C the service computes and which is checked against the
+parts'; the part objects are then deleted. Parts of an upload that died are found and removed by
+the root's cleanup (`unfinished`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import functools
+import logging
+import os
+import random
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from ... import knobs
+from ...errors import (
+    BucketNotFoundError,
+    CheckpointCorruptError,
+    ObjectStoreAccessError,
+    ObjectStoreError,
+    ObjectStoreUnavailableError,
+    os_error,
+)
+from ...shm.native import crc32c, crc32c_combine
+from .. import progress
+from ..object_store import ObjectPath
+from .base import PartBody, Store, b64_of, crc32c_b64
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_TIMEOUT = (10, 60)  # seconds to connect, and to wait for each answer, per try
+_MULTIPART_LIMIT = 8 << 20  # the client sends bodies up to this in one request, from bytes
+_COMPOSE_LIMIT = 32  # sources of one compose request
+_PART = re.compile(r"^(?P<key>.+)\.pyshmckpt-part-[0-9a-f]{16}-[0-9a-z]+$")
+_SETTINGS = (
+    "STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT",
+    "PYSHMCKPT_OBJECT_CONCURRENCY",
+)  # fmt: skip
+
+_clients: dict[tuple[Any, ...], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def client() -> Any:
+    """This process's client for the current settings (thread-safe, made on first use)."""
+    key = (os.getpid(), *(os.environ.get(name) for name in _SETTINGS))
+    with _clients_lock:
+        made = _clients.get(key)
+        if made is None:
+            made = _clients[key] = _new_client()
+        return made
+
+
+def _new_client() -> Any:
+    import requests.adapters
+    from google.cloud import storage
+
+    project = os.environ.get("GOOGLE_CLOUD_PROJECT")
+    made = storage.Client(project=project) if project else storage.Client()
+    # As many connections as requests in flight (requests keeps 10 per host otherwise).
+    connections = max(32, 2 * knobs.object_concurrency())
+    adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=connections)
+    for prefix in ("https://", "http://"):
+        made._http.mount(prefix, adapter)
+    return made
+
+
+def _bucket(path: ObjectPath) -> Any:
+    return client().bucket(path.bucket)
+
+
+def error(
+    path: ObjectPath | str, what: str, exc: BaseException, *, bucket_missing: bool = True
+) -> ObjectStoreError:
+    """A failure of the client (`exc`) while doing `what` at `path`, as the matching
+    ObjectStoreError; a 404 is the bucket's unless `bucket_missing` is False."""
+    import google.auth.exceptions as ga
+    import requests
+    from google.api_core import exceptions as gx
+
+    url = str(path)
+    name = type(exc).__name__
+    if isinstance(exc, gx.GoogleAPICallError):
+        status = exc.code if isinstance(exc.code, int) else None
+        message = f"{what} failed: {name} (HTTP {status}): {exc.message}".rstrip(": ")
+        if isinstance(exc, gx.NotFound) and bucket_missing:
+            return BucketNotFoundError(url, f"{what} failed: the bucket does not exist", name, 404)
+        if status in (401, 403):
+            return ObjectStoreAccessError(url, message, name, status)
+        if status is not None and (status >= 500 or status in (408, 429)):
+            return ObjectStoreUnavailableError(
+                url, f"{message}, after {knobs.object_attempts()} tries", name, status
+            )
+        return ObjectStoreError(url, message, name, status)
+    if isinstance(exc, (ga.DefaultCredentialsError, ga.RefreshError)):
+        return ObjectStoreAccessError(
+            url, f"{what} failed: no usable credentials ({exc}); set them as for any Google "
+            "Cloud tool (GOOGLE_APPLICATION_CREDENTIALS, `gcloud auth application-default "
+            "login`, a service account of the VM or workload)", name,
+        )  # fmt: skip
+    if isinstance(exc, (requests.ConnectionError, requests.Timeout, ga.TransportError)):
+        return ObjectStoreUnavailableError(
+            url, f"{what} failed: {exc}, after {knobs.object_attempts()} tries", name
+        )
+    return ObjectStoreError(url, f"{what} failed: {name}: {exc}", name)
+
+
+def _transient(exc: BaseException) -> bool:
+    import google.auth.exceptions as ga
+    import requests
+    from google.api_core import exceptions as gx
+
+    if isinstance(exc, gx.GoogleAPICallError):
+        return isinstance(exc.code, int) and (exc.code >= 500 or exc.code in (408, 429))
+    return isinstance(exc, (requests.ConnectionError, requests.Timeout, ga.TransportError))
+
+
+def _throttled(exc: BaseException) -> bool:
+    from google.api_core import exceptions as gx
+
+    return isinstance(exc, gx.TooManyRequests)
+
+
+def _tried(function: Callable[[], T]) -> T:
+    """`function()`, tried up to ``PYSHMCKPT_OBJECT_ATTEMPTS`` times while it fails with a
+    transient error: before try i+1, a random delay up to 2^i x 1 s for throttling (50 ms for
+    other errors), at most 20 s. An answer is progress (the stall timeout)."""
+    tries, failed = knobs.object_attempts(), 0
+    while True:
+        try:
+            answer = function()
+        except Exception as exc:
+            failed += 1
+            if failed >= tries or not _transient(exc):
+                raise
+            base = 1.0 if _throttled(exc) else 0.05
+            time.sleep(random.uniform(0, min(20.0, base * 2 ** (failed - 1))))
+            continue
+        progress.advance()
+        return answer
+
+
+def _not_found(exc: BaseException) -> bool:
+    from google.api_core import exceptions as gx
+
+    return isinstance(exc, gx.NotFound)
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    from google.api_core import exceptions as gx
+
+    return isinstance(exc, gx.PreconditionFailed)
+
+
+def _generation(etag: str | None) -> int | None:
+    return int(etag) if etag and etag.isdigit() else None
+
+
+class GCSStore(Store):
+    """Google Cloud Storage, through its JSON API."""
+
+    max_parts = _COMPOSE_LIMIT**3  # three levels of composes
+
+    def get(self, path: ObjectPath, *, limit: int, if_match: str | None) -> bytes | None:
+        from google.api_core import exceptions as gx
+
+        blob = _bucket(path).blob(path.key, generation=_generation(if_match))
+        try:
+            data = _tried(lambda: bytes(blob.download_as_bytes(
+                start=0, end=limit, raw_download=True, checksum=None, timeout=_TIMEOUT,
+                retry=None,
+            )))  # fmt: skip
+        except gx.RequestRangeNotSatisfiable:  # an empty object
+            return b""
+        except Exception as exc:
+            if _not_found(exc):  # no object (or not of that generation any more)
+                return None
+            raise error(path, "reading", exc, bucket_missing=False) from exc
+        if len(data) > limit:
+            raise ObjectStoreError(str(path), f"more than the {limit} bytes expected")
+        return data
+
+    def put(self, path: ObjectPath, data: bytes, *, create_only: bool) -> str:
+        blob = _bucket(path).blob(path.key)
+        blob.crc32c = crc32c_b64(data)  # checked by the service (the client adds none)
+        try:
+            _tried(lambda: blob.upload_from_string(
+                data, if_generation_match=0 if create_only else None, checksum=None,
+                timeout=_TIMEOUT, retry=None,
+            ))  # fmt: skip
+        except Exception as exc:
+            if create_only and _precondition_failed(exc):
+                raise os_error(errno.EEXIST, f"{path} exists already", str(path)) from None
+            raise error(path, "writing", exc) from exc
+        return str(blob.generation)
+
+    def check(self, path: ObjectPath) -> None:
+        try:
+            _tried(lambda: list(client().list_blobs(
+                path.bucket, prefix=path.prefix, max_results=1, timeout=_TIMEOUT, retry=None
+            )))  # fmt: skip
+        except Exception as exc:
+            raise error(path, "listing", exc) from exc
+
+    def listing(self, path: ObjectPath, *, delimiter: bool) -> Iterator[dict[str, Any]]:
+        token: str | None = None
+        while True:
+            try:
+                page, prefixes, token = _tried(functools.partial(_page, path, delimiter, token))
+            except Exception as exc:
+                raise error(path, "listing", exc) from exc
+            yield from ({"Prefix": prefix} for prefix in sorted(prefixes))
+            yield from page
+            if not token:
+                return
+
+    def delete(self, path: ObjectPath, keys: list[str]) -> None:
+        bucket = _bucket(path)
+
+        def remove(key: str) -> None:
+            try:
+                _tried(lambda: bucket.blob(key).delete(timeout=_TIMEOUT, retry=None))
+            except Exception as exc:
+                if not _not_found(exc):
+                    where = f"{path.scheme}://{path.bucket}/{key}"
+                    raise error(where, "deleting", exc, bucket_missing=False) from exc
+
+        if len(keys) <= 1:
+            for key in keys:
+                remove(key)
+            return
+        with ThreadPoolExecutor(min(knobs.object_concurrency(), len(keys))) as pool:
+            for done in [pool.submit(remove, key) for key in keys]:
+                done.result()
+
+    def upload_parts(self, path: ObjectPath, parts: list[memoryview]) -> str:
+        token = secrets.token_hex(8)
+        bucket = _bucket(path)
+        made: list[str] = []  # part objects (and intermediate composes) to delete at the end
+        made_lock = threading.Lock()
+
+        def send(number: int, body: memoryview) -> tuple[Any, int]:
+            key = f"{path.key}.pyshmckpt-part-{token}-{number}"
+            blob = bucket.blob(key)
+            crc = crc32c(body)
+            blob.crc32c = b64_of(crc)  # checked by the service (the client adds none)
+            with made_lock:
+                made.append(key)
+            where = path.parent / f"{path.name}.pyshmckpt-part-{token}-{number}"
+            try:
+                _tried(lambda: _send(blob, body))
+            except Exception as exc:
+                raise error(where, f"uploading part {number}", exc) from exc
+            progress.advance(len(body))
+            return blob, crc
+
+        try:
+            workers = min(knobs.object_concurrency(), len(parts))
+            with ThreadPoolExecutor(workers, thread_name_prefix="pyshmckpt-upload") as pool:
+                futures = [pool.submit(send, n, body) for n, body in enumerate(parts, 1)]
+                sent = [future.result() for future in futures]
+            expected = sent[0][1]
+            for (_, crc), body in zip(sent[1:], parts[1:], strict=True):
+                expected = crc32c_combine(expected, crc, len(body))
+            blob = _compose(path, bucket, [b for b, _ in sent], token, made, made_lock)
+            if blob.crc32c != b64_of(expected):
+                raise ObjectStoreError(
+                    str(path), f"the composed object's CRC32C {blob.crc32c} is not its parts' "
+                    f"({b64_of(expected)})",
+                )  # fmt: skip
+            return str(blob.generation)
+        finally:
+            with made_lock:
+                leftovers = list(made)
+            with contextlib.suppress(ObjectStoreError):
+                self.delete(path, leftovers)
+
+    def read_ranges(
+        self, path: ObjectPath, etag: str, pieces: list[tuple[int, memoryview]]
+    ) -> None:
+        first, last = pieces[0][0], pieces[-1][0] + len(pieces[-1][1])
+        where = f"reading bytes {first}-{last - 1}"
+        blob = _bucket(path).blob(path.key, generation=_generation(etag))
+
+        def read() -> None:
+            landing = _Landing(first, pieces)
+            blob.download_to_file(
+                landing, start=first, end=last - 1, raw_download=True, checksum=None,
+                timeout=_TIMEOUT, retry=None,
+            )  # fmt: skip
+            if landing.cursor != last:
+                raise ObjectStoreError(str(path), f"{where} ended at byte {landing.cursor}")
+
+        try:
+            _tried(read)
+        except ObjectStoreError:
+            raise
+        except Exception as exc:
+            if _not_found(exc):
+                raise CheckpointCorruptError(
+                    str(path), "the object changed after its checkpoint was committed, or is gone"
+                ) from None
+            raise error(path, where, exc, bucket_missing=False) from exc
+
+    def unfinished(self, path: ObjectPath) -> Iterator[tuple[str, datetime.datetime, Any]]:
+        for entry in self.listing(path, delimiter=False):
+            match = _PART.match(entry.get("Key", ""))
+            if match is not None:
+                yield match["key"], entry["LastModified"], entry["Key"]
+
+    def abort(self, path: ObjectPath, key: str, handle: Any) -> None:
+        with contextlib.suppress(ObjectStoreError):
+            self.delete(path, [str(handle)])
+            return
+        logger.warning("could not remove the part %s of %s: the root's cleanup will", handle, path)
+
+
+def _send(blob: Any, body: memoryview) -> None:
+    """Upload one part from memory: a resumable upload reads it from a view of it (no copy);
+    the client takes what fits one request only as bytes."""
+    if len(body) <= _MULTIPART_LIMIT:
+        blob.upload_from_string(bytes(body), checksum=None, timeout=_TIMEOUT, retry=None)
+    else:
+        blob.upload_from_file(
+            PartBody(body), size=len(body), checksum=None, timeout=_TIMEOUT, retry=None
+        )
+
+
+def _compose(
+    path: ObjectPath,
+    bucket: Any,
+    sources: list[Any],
+    token: str,
+    made: list[str],
+    made_lock: threading.Lock,
+) -> Any:
+    """Compose `sources` into the object at `path` (a tree of composes of at most
+    _COMPOSE_LIMIT sources each); the composed blob."""
+    level = 0
+    while len(sources) > _COMPOSE_LIMIT:
+        level += 1
+        groups = [sources[i : i + _COMPOSE_LIMIT] for i in range(0, len(sources), _COMPOSE_LIMIT)]
+        merged = []
+        for index, group in enumerate(groups):
+            key = f"{path.key}.pyshmckpt-part-{token}-c{level}x{index}"
+            with made_lock:
+                made.append(key)
+            merged.append(_compose_one(path, bucket.blob(key), group))
+        sources = merged
+    return _compose_one(path, bucket.blob(path.key), sources)
+
+
+def _compose_one(path: ObjectPath, target: Any, sources: list[Any]) -> Any:
+    try:
+        _tried(lambda: target.compose(sources, timeout=_TIMEOUT, retry=None))
+    except Exception as exc:
+        raise error(path, "composing the parts", exc) from exc
+    return target
+
+
+class _Landing:
+    """A file-like sink for a ranged download: the bytes from `first` on go into the pieces'
+    views, those between pieces are dropped."""
+
+    def __init__(self, first: int, pieces: list[tuple[int, memoryview]]) -> None:
+        self.cursor = first
+        self._pieces = pieces
+        self._index = 0
+
+    def write(self, data: Any) -> int:
+        chunk = memoryview(data).cast("B")
+        while len(chunk) and self._index < len(self._pieces):
+            start, view = self._pieces[self._index]
+            if self.cursor < start:  # a gap
+                skip = min(start - self.cursor, len(chunk))
+                chunk, self.cursor = chunk[skip:], self.cursor + skip
+                continue
+            offset = self.cursor - start
+            take = min(len(view) - offset, len(chunk))
+            view[offset : offset + take] = chunk[:take]
+            chunk, self.cursor = chunk[take:], self.cursor + take
+            if offset + take == len(view):
+                self._index += 1
+        return len(data)
+
+
+def _page(
+    path: ObjectPath, delimiter: bool, token: str | None
+) -> tuple[list[dict[str, Any]], set[str], str | None]:
+    """One page of a listing: its objects, the names below the delimiter, the next page's
+    token (None: the last page)."""
+    listed = client().list_blobs(
+        path.bucket, prefix=path.prefix, delimiter="/" if delimiter else None,
+        page_token=token, page_size=1000, timeout=_TIMEOUT, retry=None,
+    )  # fmt: skip
+    page = next(listed.pages, None)
+    if page is None:
+        return [], set(), None
+    objects = [
+        {"Key": blob.name, "Size": blob.size, "LastModified": blob.updated,
+         "ETag": str(blob.generation)}
+        for blob in page
+    ]  # fmt: skip
+    return objects, set(page.prefixes), listed.next_page_token
