@@ -285,7 +285,8 @@ def from_os_error(exc: OSError, context: str) -> PyshmckptOSError:
 
 
 class ObjectStoreError(PyshmckptError, OSError):
-    """Raised when object storage (S3 or a service speaking its API) fails a request for good:
+    """Raised when object storage (S3, a service speaking its API, or Google Cloud Storage)
+    fails a request for good:
     after its retries (throttling and server errors are retried with backoff), or at once for
     an answer no retry changes. The message names the URL, the service's error code and HTTP
     status; the same error reaches the trainer as itself when the writer process met it.
@@ -293,9 +294,10 @@ class ObjectStoreError(PyshmckptError, OSError):
     Derives from `PyshmckptError` and `OSError`.
 
     Attributes:
-        url: the object or prefix the request was about (``s3://bucket/key``).
-        code: the service's error code (``SlowDown``, ``NoSuchBucket`` ...), or the client's
-            error class name when no answer came.
+        url: the object or prefix the request was about (``s3://bucket/key``, ``gs://...``).
+        code: the service's error code (S3's ``SlowDown``, ``NoSuchBucket`` ...; for Google
+            Cloud Storage the client's name of the answer, ``TooManyRequests``, ``NotFound``
+            ...), or the client's error class name when no answer came.
         status: the HTTP status of the answer (None when none came).
     """
 
@@ -322,7 +324,8 @@ class ObjectStoreAccessError(ObjectStoreError, PermissionError):
 
 
 class BucketNotFoundError(ObjectStoreError, FileNotFoundError):
-    """Raised when the bucket of a checkpoint location does not exist (``NoSuchBucket``).
+    """Raised when the bucket of a checkpoint location does not exist (S3's ``NoSuchBucket``,
+    a 404 of Google Cloud Storage for the bucket).
 
     Derives from `ObjectStoreError` and `FileNotFoundError`.
     """

@@ -56,7 +56,9 @@ class FakeGCS:
             except OSError:
                 if self._process.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"fake-gcs-server did not start: {log.read_text()}") from None
+                    raise RuntimeError(
+                        f"fake-gcs-server did not start: {log.read_text()}"
+                    ) from None
                 time.sleep(0.05)
 
     def stop(self) -> None:

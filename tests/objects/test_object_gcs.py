@@ -116,6 +116,28 @@ def test_throttling_is_retried(gcs_bucket, monkeypatch):
         proxy.close()
 
 
+def test_the_server_gone_mid_upload_commits_nothing_and_the_next_save_works(
+    gcs_bucket, monkeypatch
+):
+    proxy = FaultProxy(gcs_bucket.endpoint)
+    try:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.endpoint)
+        monkeypatch.setenv("PYSHMCKPT_OBJECT_ATTEMPTS", "2")
+        with opened(gcs_bucket.url()) as ck:
+            ck.save(state(1)).result(SAVE_TIMEOUT)
+            proxy.throttle_matching = "pyshmckpt-part"  # the parts' uploads fail, then ...
+            proxy.drop = True  # ... every connection is cut without an answer
+            with pytest.raises(pyshmckpt.ObjectStoreUnavailableError):
+                ck.save(state(2)).result(SAVE_TIMEOUT)
+            proxy.throttle_matching, proxy.drop = None, False
+            assert committed(gcs_bucket.url()) == ["step-00000001"]
+            ck.save(state(3)).result(SAVE_TIMEOUT)
+        assert committed(gcs_bucket.url()) == ["step-00000001", "step-00000003"]
+        assert_same_tree(state(3), pyshmckpt.load(gcs_bucket.url()))
+    finally:
+        proxy.close()
+
+
 def test_two_ranks_meet_in_the_bucket_and_a_mirror_to_gcs(gcs_bucket, tmp_path):
     url = gcs_bucket.url("ranks")
     ranks = [pyshmckpt.Checkpointer(url, rank=r, world_size=2, run_id="c" * 32) for r in (0, 1)]
