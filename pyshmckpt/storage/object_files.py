@@ -196,7 +196,10 @@ class RemoteBytes:
                 return
             view = memoryview(self._image)
             try:
-                jobs = [[(a, view[a:b])] for start, end in missing for a, b in _split(start, end)]
+                step = part_size(self.size)
+                jobs = [
+                    [(a, view[a:b])] for start, end in missing for a, b in _split(start, end, step)
+                ]
                 self._get_all(jobs)
             finally:
                 view.release()
@@ -221,7 +224,7 @@ class RemoteBytes:
         owners: list[int] = []  # the row of each piece, in the order of the jobs' pieces
         for i, target in targets.items():  # pieces of at most a part, in groups of at most a part
             offset = int(rows[i, 0])
-            for a, b in _split(offset, offset + len(target)):
+            for a, b in _split(offset, offset + len(target), limit):
                 piece = (a, target[a - offset : b - offset])
                 last = jobs[-1] if jobs else None
                 if last and 0 <= a - _end(last) <= _GAP and b - last[0][0] <= limit:
@@ -266,8 +269,8 @@ def _end(job: list[tuple[int, memoryview]]) -> int:
     return start + len(view)
 
 
-def _split(start: int, end: int) -> list[tuple[int, int]]:
-    step = part_size(end - start)
+def _split(start: int, end: int, step: int) -> list[tuple[int, int]]:
+    """[start, end) in ranges of at most `step` bytes."""
     return [(a, min(a + step, end)) for a in range(start, end, step)]
 
 
