@@ -166,9 +166,9 @@ def replica_encrypt() -> bool:
 
 
 def object_part_size() -> int:
-    """PYSHMCKPT_OBJECT_PART_SIZE: bytes per part of a multipart upload and per ranged read from
-    object storage (default 32 MiB; S3 takes parts of at least 5 MiB but the last; larger where
-    a file would need more than 10,000 parts)."""
+    """PYSHMCKPT_OBJECT_PART_SIZE: bytes per part of an upload and per ranged read from object
+    storage (default 32 MiB; S3 takes parts of at least 5 MiB but the last; larger where a file
+    would need more than 10,000 parts on S3, 32,768 on Google Cloud Storage)."""
     return _env_int("PYSHMCKPT_OBJECT_PART_SIZE", 32 * _MIB, 64 << 10)
 
 
@@ -184,8 +184,9 @@ def object_attempts() -> int:
 
 
 def object_abandoned_after() -> float:
-    """PYSHMCKPT_OBJECT_ABANDONED_AFTER: seconds after its start that an unfinished multipart
-    upload, or the objects of a checkpoint that was never committed, count as abandoned and are
+    """PYSHMCKPT_OBJECT_ABANDONED_AFTER: seconds after its start that an unfinished upload (an S3
+    multipart upload, or the parts of one on Google Cloud Storage), or the objects of a
+    checkpoint that was never committed, count as abandoned and are
     removed when a root is opened (default 86400: a day, far longer than any upload a live
     writer may still be finishing)."""
     return _env_float("PYSHMCKPT_OBJECT_ABANDONED_AFTER", 86400.0, 0.0)
