@@ -129,12 +129,7 @@ def _mirror_root(mirror: Any, in_objects: bool) -> ObjectPath | None:
         return None
     if in_objects:
         raise ConfigError("mirror copies checkpoints of a root on a filesystem to object storage")
-    where = locations.location(mirror, "mirror")
-    if not isinstance(where, ObjectPath):
-        raise ConfigError(
-            f"mirror must be an object storage root (s3://bucket/prefix), not {mirror!r}"
-        )
-    return where
+    return locations.object_root(mirror)
 
 
 def drain_mirror(process: CheckpointProcess, bound: float) -> None:
@@ -197,7 +192,8 @@ class Checkpointer:
 
     Args:
         root: a writable directory, created (with its parents) when missing; or a prefix in
-            object storage, ``"s3://bucket/prefix"`` (the ``s3`` extra; see the guide
+            object storage, ``"s3://bucket/prefix"`` or ``"gs://bucket/prefix"`` (the ``s3``
+            or ``gcs`` extra; see the guide
             "Checkpoints in object storage"): each checkpoint is then the objects
             ``prefix/name/rank<r>.*`` uploaded from the slot by the writer, committed by a
             ``commit.json`` written last, with the safetensors writer and without ``hold``.
@@ -262,7 +258,7 @@ class Checkpointer:
             counts as hung (the writer is killed, the save fails with `WriteStalledError`); a slow
             save that keeps moving is never cut short (None: the config's
             ``write_stall_timeout_secs``, 120 s by default).
-        mirror: an object storage root (``"s3://bucket/prefix"``) every persisted checkpoint
+        mirror: an object storage root (``"s3://bucket/prefix"``, ``"gs://..."``) every persisted checkpoint
             is copied to once it is committed under `root`: the writer uploads it in the
             background (the save's Future resolves at the local commit) and commits it there
             under the same name, with the same ``keep_last``; `close` waits for the uploads
@@ -299,7 +295,7 @@ class Checkpointer:
         NotSupportedError: a single-process writer ("dcp") with ``world_size`` above 1; an
             object storage root with another writer than "safetensors", or with ``hold`` or
             ``replicate``; `UnsupportedLocationError` for a root that is another URL
-            (``gs://``, ``https://`` ...), or an ``s3://`` URL a Path collapsed to ``s3:/``.
+            (``az://``, ``https://`` ...), or an ``s3://`` URL a Path collapsed to ``s3:/``.
         PyshmckptOSError: the root cannot be created, is not a directory
             (`PathNotADirectoryError`) or not writable (`AccessDeniedError`), or the slots of
             ``capacity_bytes`` cannot be created (``/dev/shm`` too small).

@@ -93,10 +93,10 @@ class NotSupportedError(PyshmckptError, NotImplementedError):
 
 class UnsupportedLocationError(NotSupportedError):
     """Raised for a checkpoint location pyshmckpt cannot write or read: a URL of a service it
-    does not speak (``gs://``, ``az://``, ``https://`` ...), ``s3://`` where a directory on a
-    local or shared filesystem is needed (the framework adapters), an ``s3://`` URL a Path
-    collapsed to ``s3:/``, an invalid bucket name, or ``s3://`` without the ``s3`` extra
-    installed (the message says what to install). It is never taken for a local path
+    does not speak (``az://``, ``https://`` ...), object storage where a directory on a local
+    or shared filesystem is needed (DeepSpeed's save directory), an ``s3://`` URL a Path
+    collapsed to ``s3:/``, an invalid bucket name, or ``s3://``/``gs://`` without its extra
+    (``s3``, ``gcs``) installed (the message says what to install). It is never taken for a local path
     (``Path("s3://b/k")`` would be the relative directory ``s3:/b/k``).
 
     Derives from `NotSupportedError`.

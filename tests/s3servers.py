@@ -71,14 +71,17 @@ class MotoServer:
 class FaultProxy:
     """An HTTP proxy to `upstream`: answers 503 SlowDown to every `throttle_every`-th request
     (0: none) and to every request whose path and query contain `throttle_matching` (None:
-    none), waits `delay` seconds before passing each request on, and with `drop` set closes
-    each connection without an answer (a server that went away mid-request)."""
+    none), waits `delay` seconds before passing each request on, with `drop` set closes each
+    connection without an answer (a server that went away mid-request), and cuts the next
+    `cut_reads` answers to GETs of ``.safetensors`` objects off halfway through their body (a
+    connection reset while a load reads)."""
 
     def __init__(self, upstream: str, *, throttle_every: int = 0, delay: float = 0.0) -> None:
         self.upstream = upstream.removeprefix("http://")
         self.throttle_every = throttle_every
         self.delay = delay
         self.drop = False
+        self.cut_reads = 0
         self.throttle_matching: str | None = None
         self.requests = 0
         self.throttled = 0
@@ -131,9 +134,12 @@ class FaultProxy:
                     return
                 finally:
                     upstream.close()
+                cut = False
                 if self.command == "GET" and ".safetensors" in self.path:
                     with proxy._lock:
                         proxy.read_bytes += len(data)
+                        cut = proxy.cut_reads > 0 and len(data) > 1
+                        proxy.cut_reads -= cut
 
                 self.send_response(answer.status, answer.reason)
                 for key, value in answer.getheaders():
@@ -141,6 +147,13 @@ class FaultProxy:
                         self.send_header(key, value)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
+                if cut:  # half the body, then the connection is gone
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    with contextlib.suppress(OSError):
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 if self.command != "HEAD":
                     self.wfile.write(data)
 

@@ -276,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
         "verify", help="check a checkpoint's checksums and structure (exit 1 if corrupt)"
     )
     verify.add_argument(
-        "path", help="a checkpoint directory, or a root (its latest); or an s3:// URL of either"
+        "path",
+        help="a checkpoint directory, or a root (its latest); or an s3:// or gs:// URL of either",
     )
     verify.add_argument(
         "--rank", type=int, default=None, help="check only this rank (default: every rank)"
@@ -288,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoints on disk and held in memory)",
     )
     inspect.add_argument(
-        "path", help="a checkpoint directory, or a root (its latest); or an s3:// URL of either"
+        "path",
+        help="a checkpoint directory, or a root (its latest); or an s3:// or gs:// URL of either",
     )
     inspect.add_argument(
         "--rank",

@@ -100,8 +100,9 @@ class ShmStateSaver:
 
     Object storage: a directory (``output_dir``, ``input_dir``, ``project_dir``) may be an
     ``s3://bucket/prefix`` URL: each checkpoint is then committed in the bucket, as by a
-    `Checkpointer` on that root (the processes meet there: no shared filesystem needed). Or
-    the checkpoints of a local directory are mirrored there (``mirror``).
+    `Checkpointer` on that root (the processes meet there: no shared filesystem needed). Or,
+    with automatic naming, the checkpoints of a local ``project_dir`` are mirrored there
+    (``mirror``).
 
     A save that fails (a full disk, a writer error) is logged at once and raised, as a
     `PyshmckptError`, by the next ``save_state``, ``wait``, ``load_state`` or ``close``; the
@@ -130,22 +131,24 @@ class ShmStateSaver:
         capacity_bytes: passed to the `Checkpointer`.
         config: passed to the `Checkpointer`.
         barrier_timeout: passed to the `Checkpointer`.
-        mirror: an object storage root (``s3://bucket/prefix``) that the checkpoints saved
-            under a local directory are copied to in the background, under their names
+        mirror: an object storage root (``s3://bucket/prefix``, ``gs://...``) that the
+            checkpoints under ``project_dir/checkpoints`` (automatic naming, a local
+            ``project_dir``) are copied to in the background, under their names
             (``Checkpointer(root, mirror=...)``; ``total_limit`` applies there too).
-            ``load_state()`` with automatic naming loads the mirror's newest when the local
-            directory holds none (a new node); ``load_state(input_dir)`` of a local checkpoint
-            that is missing reads its copy in the mirror.
+            ``load_state()`` loads the mirror's newest when the local directory holds none (a
+            new node), and ``load_state(input_dir)`` of a checkpoint of that directory that is
+            missing reads its copy in the mirror.
 
     Raises:
         ConfigTypeError: `accelerator` is not an ``accelerate.Accelerator``.
         NotSupportedError: the accelerator runs FSDP, DeepSpeed, Megatron-LM or XLA, or
             ``save_on_each_node`` with several processes.
-        ConfigError: automatic checkpoint naming without a ``project_dir``, a ``mirror``
-            not in object storage, or (with automatic naming, where the `Checkpointer` is made
-            here) an option it refuses.
+        ConfigError: automatic checkpoint naming without a ``project_dir``, a ``mirror`` not
+            in object storage or without automatic naming in a local ``project_dir``, or
+            (with automatic naming, where the `Checkpointer` is made here) an option it
+            refuses.
         UnsupportedLocationError: ``project_dir`` or ``mirror`` is a URL pyshmckpt does not
-            write (``gs://``, ``https://``), or ``s3://`` without the s3 extra.
+            write (``az://``, ``https://``), or ``s3://``/``gs://`` without its extra.
         PyshmckptOSError: (with automatic naming) ``project_dir/checkpoints`` cannot be
             created or written.
         ObjectStoreError: (automatic naming in object storage, or a ``mirror``) the bucket is
@@ -183,8 +186,15 @@ class ShmStateSaver:
             )
         if project.automatic_checkpoint_naming and project.project_dir is None:
             raise ConfigError("automatic_checkpoint_naming needs a project_dir")
-        self._mirror = _mirror_root(mirror)
         self._accelerator = accelerator
+        self._mirror = _mirror_root(mirror)
+        if self._mirror is not None and not (
+            project.automatic_checkpoint_naming and isinstance(self._automatic_root(), Path)
+        ):
+            raise ConfigError(
+                "mirror copies the checkpoints of automatic naming under a local project_dir "
+                "(project_dir/checkpoints) to object storage"
+            )
         self._allow_pickle = bool(allow_pickle)
         self._options: dict[str, Any] = {
             "slots": slots, "allow_pickle": allow_pickle, "direct_io": direct_io,
@@ -376,6 +386,15 @@ class ShmStateSaver:
         if self._closed:
             raise ClosedError("ShmStateSaver is closed")
 
+    def _mirrors(self, root: Path | ObjectPath) -> bool:
+        """Whether checkpoints under `root` are mirrored (those of automatic naming)."""
+        project = self._accelerator.project_configuration
+        return (
+            self._mirror is not None
+            and project.automatic_checkpoint_naming
+            and root == self._automatic_root()
+        )
+
     def _automatic_root(self) -> Path | ObjectPath:
         project = self._accelerator.project_configuration
         return _where(project.project_dir, "project_dir") / CHECKPOINTS
@@ -401,7 +420,7 @@ class ShmStateSaver:
             rank=self._accelerator.process_index,
             world_size=self._accelerator.num_processes,
             link_latest=False,  # the directory holds Accelerate's entries alone
-            mirror=self._mirror if isinstance(root, Path) else None,
+            mirror=self._mirror if self._mirrors(root) else None,
             **self._options,
         )
         return self._checkpointer
@@ -437,7 +456,7 @@ class ShmStateSaver:
             directory = _where(input_dir, "input_dir")
             if isinstance(directory, ObjectPath) or directory.is_dir():
                 return directory
-            if self._mirror is not None:  # a new node: the mirror's copy
+            if self._mirror is not None and self._mirrors(directory.parent):  # a new node
                 return self._mirror / directory.name
             raise os_error(errno.ENOENT, f"no checkpoint directory {directory}", str(directory))
         project = self._accelerator.project_configuration
@@ -445,7 +464,7 @@ class ShmStateSaver:
             raise ConfigError("no input_dir given and automatic checkpoint naming is off")
         root = self._automatic_root()
         newest = root_of(root).latest()
-        if newest is None and self._mirror is not None and isinstance(root, Path):
+        if newest is None and self._mirror is not None:
             newest = object_commit.latest(self._mirror)  # a new node: the mirror's newest
         if newest is None:
             raise os_error(errno.ENOENT, f"no committed checkpoint in {root}", str(root))
@@ -547,7 +566,4 @@ def _where(value: Any, what: str) -> Path | ObjectPath:
 def _mirror_root(mirror: Any) -> ObjectPath | None:
     if mirror is None:
         return None
-    where = _where(mirror, "mirror")
-    if not isinstance(where, ObjectPath):
-        raise ConfigError(f"mirror must be an object storage root (s3://...), not {mirror!r}")
-    return where
+    return locations.object_root(mirror)

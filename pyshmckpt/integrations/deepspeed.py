@@ -158,8 +158,8 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
             not accepted, or ``mirror`` is not in object storage.
         ConfigTypeError: ``config`` is neither pyshmckpt's nor torch's
             ``CheckpointProcessConfig``.
-        UnsupportedLocationError: ``mirror`` is a URL pyshmckpt does not write, or ``s3://``
-            without the s3 extra.
+        UnsupportedLocationError: ``mirror`` is a URL pyshmckpt does not write, or
+            ``s3://``/``gs://`` without its extra.
         ObjectStoreError: the mirror's bucket is missing or the credentials are refused.
         PyshmckptOSError: the slots of ``config.capacity_bytes`` cannot be created.
     """
@@ -625,9 +625,7 @@ def _agreement_timeout(config: CheckpointProcessConfig, commit_timeout: float) -
 def _mirror_root(mirror: Any) -> ObjectPath | None:
     if mirror is None:
         return None
-    where = locations.location(mirror, "mirror")
-    if not isinstance(where, ObjectPath):
-        raise ConfigError(f"mirror must be an object storage root (s3://...), not {mirror!r}")
+    where = locations.object_root(mirror)
     object_store.check(where)  # its bucket and the credentials, before anything is saved
     return where
 

@@ -133,6 +133,11 @@ class TagWriter:
                 )  # fmt: skip
             return
         files = tuple(Path(p).name for p in paths if Path(p).parent == directory)
+        elsewhere = [p for p in paths if Path(p).parent != directory]
+        if elsewhere:  # a tag's files are all directly in its directory, as DeepSpeed saves them
+            logger.warning(
+                "not mirroring %s: outside the directory of tag %r", elsewhere, target.name
+            )
         mirror.MIRROR.put(
             directory, target, files=files, checksums=True, keep_last=None, rank=self.rank,
             world_size=self.world_size, attempt=attempt, barrier_timeout=self.commit_timeout,

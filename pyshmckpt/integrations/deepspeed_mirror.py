@@ -8,8 +8,9 @@ import logging
 import os
 from pathlib import Path
 
-from ..errors import CheckpointNotFoundError, ConfigError
+from ..errors import CheckpointNotFoundError
 from ..storage import locations, object_commit, object_download
+from ..storage.commit import check_name
 from ..storage.object_store import ObjectPath
 from .deepspeed_latest import write_latest
 
@@ -46,9 +47,9 @@ def fetch(
         ConfigError: `mirror` is a local path.
         PyshmckptOSError: `save_dir` cannot be written.
     """
-    root = locations.location(mirror, "mirror")
-    if not isinstance(root, ObjectPath):
-        raise ConfigError(f"mirror must be an object storage root (s3://...), not {mirror!r}")
+    root = locations.object_root(mirror)
+    if tag is not None:
+        check_name(tag)
     if tag is None:
         found = object_commit.newest(root)
     else:

@@ -37,6 +37,7 @@ from ..errors import (
     ConfigError,
     ConfigTypeError,
     NotSupportedError,
+    PathNotFoundError,
     PyshmckptError,
     WriteTimeoutError,
     as_writer_error,
@@ -85,7 +86,7 @@ class ShmCheckpointIO(CheckpointIO):
         NotSupportedError: an option other than those above, or a writer that is not a
             safetensors writer.
         UnsupportedLocationError: ``dirpath`` or ``mirror`` is a URL pyshmckpt does not
-            write (``gs://``, ``https://``), or ``s3://`` without the s3 extra.
+            write (``az://``, ``https://``), or ``s3://``/``gs://`` without its extra.
         ConfigError: an unknown writer, a ``mirror`` without a local ``dirpath`` or not in
             object storage, or (with ``dirpath``, on global rank 0) an option value a
             `Checkpointer` refuses.
@@ -350,7 +351,7 @@ class ShmCheckpointIO(CheckpointIO):
         if isinstance(target, ObjectPath):  # no writer of ours for its root: remove it here
             try:
                 object_commit.remove(target.parent, target.name)
-            except FileNotFoundError:
+            except PathNotFoundError:
                 logger.warning("remove_checkpoint(%s): no such checkpoint", target)
             return
         with _os_errors(f"cannot remove checkpoint {target}"):
@@ -413,13 +414,11 @@ def _os_errors(what: str) -> Iterator[None]:
 def _mirror_of(dirpath: Path | ObjectPath | None, mirror: Any) -> ObjectPath | None:
     if mirror is None:
         return None
-    where = _where(mirror, "mirror")
-    if isinstance(where, ObjectPath) and isinstance(dirpath, Path):
-        return where
-    raise ConfigError(
-        "mirror copies the checkpoints of a local dirpath to object storage: give a local "
-        f"dirpath and an s3:// mirror (dirpath={dirpath}, mirror={mirror!r})"
-    )
+    if not isinstance(dirpath, Path):
+        raise ConfigError(
+            f"mirror copies the checkpoints of a local dirpath to object storage, not {dirpath}"
+        )
+    return locations.object_root(mirror)
 
 
 def _on_disk(target: Path | ObjectPath) -> bool:

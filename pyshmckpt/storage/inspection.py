@@ -55,7 +55,7 @@ def verify(path: str | os.PathLike[str] | ObjectPath, rank: int = 0) -> int:
 
     Args:
         path: a checkpoint directory, a file in it, or a checkpoint root (its newest); or a
-            checkpoint or root in object storage (``s3://bucket/prefix``).
+            checkpoint or root in object storage (``s3://bucket/prefix``, ``gs://...``).
         rank: whose files to check.
 
     Returns:
@@ -88,7 +88,7 @@ def describe(path: str | os.PathLike[str] | ObjectPath, rank: int = 0) -> list[d
 
     Args:
         path: a checkpoint directory, a file in it, or a checkpoint root (its newest); or a
-            checkpoint or root in object storage (``s3://bucket/prefix``).
+            checkpoint or root in object storage (``s3://bucket/prefix``, ``gs://...``).
         rank: whose file to describe.
 
     Returns:

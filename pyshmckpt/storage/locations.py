@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from ..errors import ConfigTypeError, UnsupportedLocationError
+from ..errors import ConfigError, ConfigTypeError, UnsupportedLocationError
 from . import object_store
 from .object_store import ObjectPath
 
@@ -50,6 +50,24 @@ def location(value: Any, what: str = "checkpoint location") -> Path | ObjectPath
     if isinstance(value, str) and object_store.is_url(value):
         return object_store.parse(value)
     return local_path(value, what)
+
+
+def object_root(value: Any, what: str = "mirror") -> ObjectPath:
+    """`value` as a root in object storage (a mirror's: ``s3://bucket/prefix``,
+    ``gs://bucket/prefix``).
+
+    Raises:
+        ConfigError: `value` is a local path.
+        UnsupportedLocationError: a URL pyshmckpt does not write, or its extra is missing.
+        ConfigTypeError: `value` is neither a str nor path-like.
+    """
+    where = location(value, what)
+    if not isinstance(where, ObjectPath):
+        raise ConfigError(
+            f"{what} must be an object storage root (s3://bucket/prefix or gs://bucket/prefix), "
+            f"not {value!r}"
+        )
+    return where
 
 
 def local_path(value: Any, what: str = "checkpoint location") -> Path:

@@ -15,6 +15,7 @@ queues its removal from the mirror behind the uploads queued before it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import PathNotFoundError
 from ..shm.native import crc32c
 from . import commit, object_commit, object_store, object_upload, progress
 from .object_store import ObjectPath
@@ -65,14 +67,19 @@ class Mirror:
         `options` are `object_commit.save`'s. With `checksums`, the commit record holds each
         object's CRC32C (``"crc32c"``), which a download checks (`object_download`)."""
         mapped: dict[str, tuple[Any, memoryview]] = {}
-        for name in files:
-            fd = os.open(directory / name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-            try:
-                size = os.fstat(fd).st_size
-                region = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
-            finally:
-                os.close(fd)
-            mapped[name] = (region, memoryview(region) if region is not None else memoryview(b""))
+        try:
+            for name in files:
+                fd = os.open(directory / name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                try:
+                    size = os.fstat(fd).st_size
+                    region = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
+                finally:
+                    os.close(fd)
+                view = memoryview(region) if region is not None else memoryview(b"")
+                mapped[name] = (region, view)
+        except BaseException:
+            _unmap(mapped)
+            raise
         self._enqueue(_Job(target, mapped, options, checksums=checksums))
 
     def remove(self, target: ObjectPath) -> None:
@@ -115,13 +122,12 @@ class Mirror:
                 what = "remove" if job.remove else "mirror"
                 logger.warning("could not %s %s: %s: %s", what, job.target, type(exc).__name__, exc)
             finally:
-                for region, view in job.files.values():
-                    view.release()
-                    if region is not None:
-                        region.close()
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
+                try:
+                    _unmap(job.files)
+                finally:
+                    with self._idle:
+                        self._pending -= 1
+                        self._idle.notify_all()
 
     def _mirror(self, job: _Job) -> None:
         def upload(target: ObjectPath) -> dict[str, dict[str, Any]]:
@@ -139,10 +145,20 @@ class Mirror:
         logger.info("mirrored %s", job.target)
 
 
+def _unmap(files: dict[str, tuple[Any, memoryview]]) -> None:
+    """Release the views and close the maps (a map still viewed elsewhere, by a traceback,
+    closes with the last of those)."""
+    for region, view in files.values():
+        view.release()
+        if region is not None:
+            with contextlib.suppress(BufferError):
+                region.close()
+
+
 def _remove(target: ObjectPath) -> None:
     try:
         object_commit.remove(target.parent, target.name)
-    except FileNotFoundError:  # never mirrored (its upload failed), or another rank removed it
+    except PathNotFoundError:  # never mirrored (its upload failed), or another rank removed it
         logger.debug("%s was not in the mirror", target)
         return
     logger.info("removed %s from the mirror", target)
@@ -156,10 +172,13 @@ def remove_checkpoint(root: str, name: str, mirror: str) -> None:
     removed under `root` now (`commit.remove_checkpoint`), and from `mirror` in the background,
     once the uploads queued before it are done. A checkpoint missing under `root` fails the call
     (errno ENOENT) once the mirror's removal is queued: the mirror may hold it still."""
+    target = object_store.parse(mirror) / name
     try:
         commit.remove_checkpoint(root, name)
-    finally:
-        MIRROR.remove(object_store.parse(mirror) / name)
+    except PathNotFoundError:
+        MIRROR.remove(target)
+        raise
+    MIRROR.remove(target)
 
 
 def drain(timeout: float = DRAIN_TIMEOUT) -> bool:

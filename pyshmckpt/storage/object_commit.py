@@ -345,6 +345,11 @@ class _SharedSave:
                 objects = _parsed(raw)
                 if objects is None:
                     raise CommitError(f"rank {r}'s marker of {self.path} is unreadable")
+                twice = sorted(set(objects) & set(merged))
+                if twice:  # two ranks wrote one key: the record would name one rank's alone
+                    why = f"rank {r} uploaded {twice[0]!r}, which another rank uploaded too"
+                    bury(self.tomb, why)
+                    raise CommitError(f"checkpoint {self.path}: {why}")
                 merged.update(objects)
         return merged
 
@@ -463,13 +468,17 @@ def remove_checkpoint(root: str, name: str) -> None:
 
 
 def retain(root: ObjectPath, keep_last: int) -> list[str]:
-    """Remove all but the newest `keep_last` committed checkpoints (never ``latest``'s)."""
+    """Remove all but the newest `keep_last` committed checkpoints (never ``latest``'s). A
+    checkpoint committed again since it was listed (a save that replaced it) is kept."""
     current = latest(root)
-    listed = [name for _, name in committed(root)]
+    listed = committed(root)
     removed = []
-    for name in listed[: max(0, len(listed) - keep_last)]:
+    for sequence, name in listed[: max(0, len(listed) - keep_last)]:
         if current is not None and current.name == name:
             continue
+        record = record_of(root / name)
+        if record is None or record["sequence"] != sequence:
+            continue  # removed, or replaced by a newer save, meanwhile
         remove(root, name)
         removed.append(name)
     if removed:

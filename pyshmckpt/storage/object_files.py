@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import mmap
 import os
@@ -35,6 +36,7 @@ from .object_upload import part_size
 from .rank_files import OpenedRank, check_format_version
 from .safetensors_header import parse_header
 from .safetensors_writer import FORMAT, file_names
+from .stores.base import run_all
 
 _MANIFEST_LIMIT = 1 << 30
 
@@ -165,6 +167,8 @@ class RemoteBytes:
 
     def __init__(self, path: ObjectPath, etag: str, size: int, fd: int) -> None:
         self.path, self.etag, self.size = path, etag, size
+        # Bytes per ranged GET, and the most a GET of adjacent entries holds.
+        self._step = part_size(size, object_store.store(path).max_parts)
         self._image = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)  # the memfd's own pages
         self._have: list[tuple[int, int]] = []  # [start, end) ranges of the image read
         self._lock = threading.Lock()
@@ -196,9 +200,10 @@ class RemoteBytes:
                 return
             view = memoryview(self._image)
             try:
-                step = part_size(self.size)
                 jobs = [
-                    [(a, view[a:b])] for start, end in missing for a, b in _split(start, end, step)
+                    [(a, view[a:b])]
+                    for start, end in missing
+                    for a, b in _split(start, end, self._step)
                 ]
                 self._get_all(jobs)
             finally:
@@ -219,7 +224,7 @@ class RemoteBytes:
                 raise CheckpointCorruptError(str(self.path), "a range lies past the object's end")
             if nbytes:
                 targets[i] = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
-        limit = part_size(self.size, object_store.store(self.path).max_parts)
+        limit = self._step
         jobs: list[list[tuple[int, memoryview]]] = []
         owners: list[int] = []  # the row of each piece, in the order of the jobs' pieces
         for i, target in targets.items():  # pieces of at most a part, in groups of at most a part
@@ -258,10 +263,8 @@ class RemoteBytes:
             store.read_ranges(self.path, self.etag, job)
             return [crc32c(view) for _, view in job] if checksums else []
 
-        if len(jobs) == 1:
-            return [read(jobs[0])]
-        with ThreadPoolExecutor(min(knobs.object_concurrency(), len(jobs))) as pool:
-            return [done.result() for done in [pool.submit(read, job) for job in jobs]]
+        calls = [functools.partial(read, job) for job in jobs]
+        return run_all(knobs.object_concurrency(), calls, "pyshmckpt-read")
 
 
 def _end(job: list[tuple[int, memoryview]]) -> int:

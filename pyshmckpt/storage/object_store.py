@@ -106,6 +106,8 @@ def parse(text: str) -> ObjectPath:
     """
     scheme, _, rest = text.partition("://")
     scheme = scheme.lower()
+    if scheme not in SCHEMES:
+        raise UnsupportedLocationError(text, f"{scheme}:// is not object storage pyshmckpt writes")
     bucket, _, key = rest.partition("/")
     key = key.rstrip("/")
     if not _BUCKETS[scheme].match(bucket) or ".." in bucket:

@@ -13,6 +13,7 @@ import math
 from .. import knobs
 from . import object_store, progress
 from .object_store import ObjectPath
+from .stores.base import joined
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +46,6 @@ def _cut(pieces: list[memoryview], size: int) -> list[list[memoryview]]:
     return [part for part in parts if part]
 
 
-def _body(views: list[memoryview]) -> memoryview:
-    """One part's bytes: the view itself, or (spanning pieces) the few pieces joined."""
-    return views[0] if len(views) == 1 else memoryview(b"".join(views))
-
-
 def upload(path: ObjectPath, pieces: list[memoryview]) -> tuple[str, int]:
     """Upload the concatenation of `pieces` as the object at `path`; its (ETag, size).
 
@@ -61,9 +57,9 @@ def upload(path: ObjectPath, pieces: list[memoryview]) -> tuple[str, int]:
     store = object_store.store(path)
     size = part_size(total, store.max_parts)
     if total <= size:
-        data = bytes(_body([p for p in pieces if len(p)] or [memoryview(b"")]))
+        data = bytes(joined([p for p in pieces if len(p)] or [memoryview(b"")]))
         etag = object_store.put(path, data)
         progress.advance(total)
         return etag, total
-    etag = store.upload_parts(path, [_body(part) for part in _cut(pieces, size)])
+    etag = store.upload_parts(path, _cut(pieces, size))
     return etag, total

@@ -3,7 +3,7 @@
 A path that names one checkpoint (its directory or a file of it) is read from disk by `reader`. A
 checkpoint root is restored from wherever its newest checkpoint is (`restore` chooses: this
 node's memory, another node's, or disk) and, in a job of several ranks, agreed on by every rank.
-Object storage (``s3://``) is read through `object_files`: a committed checkpoint, or a root's
+Object storage (``s3://``, ``gs://``) is read through `object_files`: a committed checkpoint, or a root's
 newest, agreed on by every rank.
 """
 
@@ -99,8 +99,8 @@ def load(
     (`RestoreError`). Load a checkpoint directory, or ``source="disk"``, to read files without
     the other ranks.
 
-    Object storage (``s3://bucket/prefix``, a Checkpointer's root there, or one checkpoint
-    ``s3://bucket/prefix/name``) is read with parallel ranged GETs, each object on condition
+    Object storage (``s3://bucket/prefix`` or ``gs://...``, a Checkpointer's root there, or one
+    checkpoint ``s3://bucket/prefix/name``) is read with parallel ranged GETs, each object on condition
     that it is still the one its commit record names: each entry straight into the tensor that
     holds it (``into=`` too), every CRC32C computed from the landed bytes; resharding reads only
     the entries holding the shards the target needs. A root there is loaded collectively with
@@ -159,7 +159,7 @@ def load(
             did not take part in the agreement (failed, left, or did not call `load` within
             ``PYSHMCKPT_RESTORE_TIMEOUT``).
         ConfigTypeError: `rank` is not an int, or `path` is not a str or path.
-        UnsupportedLocationError: `path` is a URL other than ``s3://`` (``gs://``,
+        UnsupportedLocationError: `path` is a URL other than ``s3://`` and ``gs://`` (``az://``,
             ``https://`` ...), or an ``s3://`` URL a Path collapsed (a `NotSupportedError`).
         ObjectStoreError: object storage refused or failed a request
             (`BucketNotFoundError`, `ObjectStoreAccessError`, `ObjectStoreUnavailableError`).
@@ -183,9 +183,7 @@ def load(
                 return None
             raise
     path = where
-    stored = None if mirror is None else locations.location(mirror, "mirror")
-    if stored is not None and not isinstance(stored, ObjectPath):
-        raise ConfigError(f"mirror must be an object storage root (s3://...), not {mirror!r}")
+    stored = None if mirror is None else locations.object_root(mirror)
     try:
         agreeing = source in restore.SOURCES and (source != "disk" or stored is not None)
         if agreeing and restore.agreeing(path):

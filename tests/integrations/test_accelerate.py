@@ -124,6 +124,8 @@ def test_automatic_naming_in_object_storage_and_a_mirrored_project(tmp_path: Pat
     assert_same_tree(saved, dict(fresh.model.state_dict()))
     with pytest.raises(pyshmckpt.ConfigError, match="mirror"):
         ShmStateSaver(fresh.accelerator, mirror=str(tmp_path))
+    with pytest.raises(pyshmckpt.ConfigError, match="automatic naming"):
+        ShmStateSaver(build(seed=6).accelerator, mirror=mirror)  # which directory to mirror?
     with (
         ShmStateSaver(fresh.accelerator, config=bounded_config()) as saver,
         pytest.raises(pyshmckpt.UnsupportedLocationError, match="Azure"),

@@ -5,6 +5,7 @@ returned, a write that stalls."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import signal
 import subprocess
 import sys
@@ -60,6 +61,38 @@ def test_throttling_beyond_the_tries_is_a_typed_error_from_the_writer(bucket, pr
         proxy.throttle_every = 0
         ck.save(state(3)).result(SAVE_TIMEOUT)  # the writer lives on
     assert_same_tree(state(3), pyshmckpt.load(bucket.url()))
+
+
+def test_a_read_cut_off_mid_answer_is_tried_again(bucket, proxy, monkeypatch):
+    saved = state(4)
+    with opened(bucket.url()) as ck:
+        ck.save(saved).result(SAVE_TIMEOUT)
+    proxy.cut_reads = 2  # two answers end halfway (a connection reset while the load reads)
+    assert_same_tree(saved, pyshmckpt.load(bucket.url()))
+    assert proxy.cut_reads == 0
+    monkeypatch.setenv("PYSHMCKPT_OBJECT_ATTEMPTS", "2")
+    proxy.cut_reads = 1000  # every answer: a typed error once the tries are spent
+    with pytest.raises(pyshmckpt.ObjectStoreUnavailableError, match="after 2 tries"):
+        pyshmckpt.load(bucket.url())
+
+
+def test_two_ranks_uploading_one_object_name_commit_nothing(bucket):
+    root = object_store.parse(bucket.url())
+
+    def rank(r: int) -> None:
+        def upload(target):
+            etag = object_store.put(target / "same.bin", f"rank {r}".encode())
+            return {"same.bin": {"etag": etag, "size": 6}}
+
+        object_commit.save(root / "both", upload, None, files=("same.bin",), rank=r,
+                           world_size=2, attempt=f"{'d' * 32}.1", barrier_timeout=30)  # fmt: skip
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = [pool.submit(rank, r) for r in (0, 1)]
+        errors = [future.exception(timeout=SAVE_TIMEOUT) for future in results]
+    assert all(isinstance(e, pyshmckpt.CommitError) for e in errors), errors
+    assert "another rank uploaded too" in str(errors[0])
+    assert object_commit.record_of(root / "both") is None
 
 
 def test_a_missing_bucket_is_a_typed_error_naming_it(bucket):

@@ -138,6 +138,19 @@ def test_the_server_gone_mid_upload_commits_nothing_and_the_next_save_works(
         proxy.close()
 
 
+def test_a_read_cut_off_mid_answer_is_tried_again(gcs_bucket, monkeypatch):
+    with opened(gcs_bucket.url()) as ck:
+        ck.save(state(6)).result(SAVE_TIMEOUT)
+    proxy = FaultProxy(gcs_bucket.endpoint)
+    try:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.endpoint)
+        proxy.cut_reads = 2
+        assert_same_tree(state(6), pyshmckpt.load(gcs_bucket.url()))
+        assert proxy.cut_reads == 0
+    finally:
+        proxy.close()
+
+
 def test_two_ranks_meet_in_the_bucket_and_a_mirror_to_gcs(gcs_bucket, tmp_path):
     url = gcs_bucket.url("ranks")
     ranks = [pyshmckpt.Checkpointer(url, rank=r, world_size=2, run_id="c" * 32) for r in (0, 1)]

@@ -15,11 +15,47 @@ from __future__ import annotations
 import abc
 import base64
 import datetime
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import Any, TypeVar
 
+from ...errors import ObjectStoreError
 from ...shm.native import crc32c
 from ..object_store import ObjectPath
+
+T = TypeVar("T")
+Part = list[memoryview]  # one part's bytes: a view, or the few views a part spans
+
+
+class _ShortRead(OSError):
+    """A ranged answer that ended before its last byte (the connection was cut): tried again,
+    never raised to a caller (the stores raise `ObjectStoreUnavailableError` once their tries
+    are spent)."""
+
+
+def joined(part: Part) -> memoryview:
+    """One part's bytes: its view itself, or (a part spanning pieces) the pieces joined."""
+    return part[0] if len(part) == 1 else memoryview(b"".join(part))
+
+
+def run_all(
+    workers: int, calls: Sequence[Callable[[], T]], prefix: str = "pyshmckpt-io"
+) -> list[T]:
+    """Run `calls` on at most `workers` threads; their results in order. The first that fails
+    stops the rest (those not started are cancelled) and its exception is raised."""
+    if len(calls) == 1:
+        return [calls[0]()]
+    with ThreadPoolExecutor(max(1, min(workers, len(calls))), thread_name_prefix=prefix) as pool:
+        futures = [pool.submit(call) for call in calls]
+        finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in finished if f.exception() is not None), None)
+        if failed is not None:
+            for future in futures:
+                future.cancel()
+            error = failed.exception()
+            del futures, finished  # the traceback need not keep the others' results alive
+            raise error  # type: ignore[misc]
+        return [future.result() for future in futures]
 
 
 def crc32c_b64(data: Any) -> str:
@@ -72,12 +108,23 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def get(self, path: ObjectPath, *, limit: int, if_match: str | None) -> bytes | None:
         """The whole object (None: there is none), refused beyond `limit` bytes; with
-        `if_match`, only the object of that ETag (`CheckpointCorruptError` otherwise)."""
+        `if_match`, only the object of that ETag (`CheckpointCorruptError` when another is
+        there, or, where the service cannot tell them apart, when it is gone)."""
 
     @abc.abstractmethod
     def put(self, path: ObjectPath, data: bytes, *, create_only: bool) -> str:
         """Write one small object whole, with its CRC32C; its ETag. With `create_only`, an
-        object there already fails it (errno EEXIST) and is left as it is."""
+        object there already fails it (errno EEXIST) and is left as it is, unless it holds
+        `data` itself: a retry whose first try landed and lost its answer (its ETag is then
+        not known: "")."""
+
+    def holds(self, path: ObjectPath, data: bytes) -> bool:
+        """Whether the object at `path` is `data` (read back after a conditional create was
+        refused: a first try that landed and lost its answer)."""
+        try:
+            return self.get(path, limit=len(data), if_match=None) == data
+        except ObjectStoreError:  # another object, larger than `data`, or unreadable
+            return False
 
     @abc.abstractmethod
     def check(self, path: ObjectPath) -> None:
@@ -93,10 +140,11 @@ class Store(abc.ABC):
         """Delete the objects `keys` of `path`'s bucket (a missing one is no error)."""
 
     @abc.abstractmethod
-    def upload_parts(self, path: ObjectPath, parts: list[memoryview]) -> str:
-        """Upload the concatenation of `parts` (each sent with its CRC32C, several at once) as
-        the object at `path`; its ETag. A failed upload leaves no part behind where it can
-        (an abort); what it cannot is found by `unfinished`."""
+    def upload_parts(self, path: ObjectPath, parts: list[Part]) -> str:
+        """Upload the concatenation of `parts` (each sent with its CRC32C, several at once,
+        `joined` where it spans pieces) as the object at `path`; its ETag. A failed upload
+        leaves no part behind where it can (an abort); what it cannot is found by
+        `unfinished`."""
 
     @abc.abstractmethod
     def read_ranges(

@@ -34,7 +34,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ... import knobs
@@ -44,12 +43,13 @@ from ...errors import (
     ObjectStoreAccessError,
     ObjectStoreError,
     ObjectStoreUnavailableError,
+    PyshmckptError,
     os_error,
 )
 from ...shm.native import crc32c, crc32c_combine
 from .. import progress
 from ..object_store import ObjectPath
-from .base import PartBody, Store, b64_of, crc32c_b64
+from .base import Part, PartBody, Store, _ShortRead, b64_of, crc32c_b64, joined, run_all
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +82,19 @@ def _new_client() -> Any:
     import requests.adapters
     from google.cloud import storage
 
-    project = os.environ.get("GOOGLE_CLOUD_PROJECT")
-    made = storage.Client(project=project) if project else storage.Client()
-    # As many connections as requests in flight (requests keeps 10 per host otherwise).
-    connections = max(32, 2 * knobs.object_concurrency())
-    adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=connections)
-    for prefix in ("https://", "http://"):
-        made._http.mount(prefix, adapter)
+    # Object requests need no project: an explicit None skips looking one up.
+    made = storage.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT"))
+    # The client's cache of bucket metadata (for its traces) fetches it on threads of its own,
+    # with its own retries: not a request of ours, unbounded by our settings.
+    if hasattr(made, "_bucket_metadata_cache"):
+        made._bucket_metadata_cache = None
+    # As many connections as requests in flight (requests keeps 10 per host otherwise); a
+    # session with mutual TLS keeps its own adapter.
+    if not getattr(made._http, "is_mtls", False):
+        connections = max(32, 2 * knobs.object_concurrency())
+        adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=connections)
+        for prefix in ("https://", "http://"):
+            made._http.mount(prefix, adapter)
     return made
 
 
@@ -102,7 +108,6 @@ def error(
     """A failure of the client (`exc`) while doing `what` at `path`, as the matching
     ObjectStoreError; a 404 is the bucket's unless `bucket_missing` is False."""
     import google.auth.exceptions as ga
-    import requests
     from google.api_core import exceptions as gx
 
     url = str(path)
@@ -125,7 +130,7 @@ def error(
             "Cloud tool (GOOGLE_APPLICATION_CREDENTIALS, `gcloud auth application-default "
             "login`, a service account of the VM or workload)", name,
         )  # fmt: skip
-    if isinstance(exc, (requests.ConnectionError, requests.Timeout, ga.TransportError)):
+    if _transient(exc):  # a connection refused, cut or timed out, every try
         return ObjectStoreUnavailableError(
             url, f"{what} failed: {exc}, after {knobs.object_attempts()} tries", name
         )
@@ -133,25 +138,31 @@ def error(
 
 
 def _transient(exc: BaseException) -> bool:
+    """Whether another try may succeed: throttling, a server error, a connection refused, cut
+    or timed out (also mid-answer, where the client reads the body itself)."""
+    import http.client
+
     import google.auth.exceptions as ga
     import requests
+    import urllib3.exceptions as ux
     from google.api_core import exceptions as gx
 
     if isinstance(exc, gx.GoogleAPICallError):
         return isinstance(exc.code, int) and (exc.code >= 500 or exc.code in (408, 429))
-    return isinstance(exc, (requests.ConnectionError, requests.Timeout, ga.TransportError))
-
-
-def _throttled(exc: BaseException) -> bool:
-    from google.api_core import exceptions as gx
-
-    return isinstance(exc, gx.TooManyRequests)
+    if isinstance(exc, PyshmckptError):  # ours, decided already (some are ConnectionErrors)
+        return False
+    return isinstance(
+        exc,
+        (_ShortRead, ConnectionError, requests.ConnectionError, requests.Timeout,
+         requests.exceptions.ChunkedEncodingError, ux.ProtocolError, ux.ReadTimeoutError,
+         http.client.IncompleteRead, ga.TransportError),
+    )  # fmt: skip
 
 
 def _tried(function: Callable[[], T]) -> T:
     """`function()`, tried up to ``PYSHMCKPT_OBJECT_ATTEMPTS`` times while it fails with a
-    transient error: before try i+1, a random delay up to 2^i x 1 s for throttling (50 ms for
-    other errors), at most 20 s. An answer is progress (the stall timeout)."""
+    transient error: before try i+1, a random delay up to 2^i x 1 s (Google's advice for its
+    service), at most 20 s. An answer is progress (the stall timeout)."""
     tries, failed = knobs.object_attempts(), 0
     while True:
         try:
@@ -160,8 +171,7 @@ def _tried(function: Callable[[], T]) -> T:
             failed += 1
             if failed >= tries or not _transient(exc):
                 raise
-            base = 1.0 if _throttled(exc) else 0.05
-            time.sleep(random.uniform(0, min(20.0, base * 2 ** (failed - 1))))
+            time.sleep(random.uniform(0, min(20.0, 2.0 ** (failed - 1))))
             continue
         progress.advance()
         return answer
@@ -191,16 +201,23 @@ class GCSStore(Store):
     def get(self, path: ObjectPath, *, limit: int, if_match: str | None) -> bytes | None:
         from google.api_core import exceptions as gx
 
-        blob = _bucket(path).blob(path.key, generation=_generation(if_match))
-        try:
-            data = _tried(lambda: bytes(blob.download_as_bytes(
+        def read() -> bytes:
+            blob = _bucket(path).blob(path.key, generation=_generation(if_match))
+            return bytes(blob.download_as_bytes(
                 start=0, end=limit, raw_download=True, checksum=None, timeout=_TIMEOUT,
                 retry=None,
-            )))  # fmt: skip
+            ))  # fmt: skip
+
+        try:
+            data = _tried(read)
         except gx.RequestRangeNotSatisfiable:  # an empty object
             return b""
         except Exception as exc:
-            if _not_found(exc):  # no object (or not of that generation any more)
+            if _not_found(exc) and if_match:  # not of that generation any more, or gone
+                raise CheckpointCorruptError(
+                    str(path), "the object changed after its checkpoint was committed, or is gone"
+                ) from None
+            if _not_found(exc):
                 return None
             raise error(path, "reading", exc, bucket_missing=False) from exc
         if len(data) > limit:
@@ -208,15 +225,21 @@ class GCSStore(Store):
         return data
 
     def put(self, path: ObjectPath, data: bytes, *, create_only: bool) -> str:
-        blob = _bucket(path).blob(path.key)
-        blob.crc32c = crc32c_b64(data)  # checked by the service (the client adds none)
-        try:
-            _tried(lambda: blob.upload_from_string(
+        def write() -> Any:
+            blob = _bucket(path).blob(path.key)
+            blob.crc32c = crc32c_b64(data)  # checked by the service (the client adds none)
+            blob.upload_from_string(
                 data, if_generation_match=0 if create_only else None, checksum=None,
                 timeout=_TIMEOUT, retry=None,
-            ))  # fmt: skip
+            )  # fmt: skip
+            return blob
+
+        try:
+            blob = _tried(write)
         except Exception as exc:
             if create_only and _precondition_failed(exc):
+                if self.holds(path, data):
+                    return ""  # a retried try of this very write: its first landed
                 raise os_error(errno.EEXIST, f"{path} exists already", str(path)) from None
             raise error(path, "writing", exc) from exc
         return str(blob.generation)
@@ -242,55 +265,53 @@ class GCSStore(Store):
                 return
 
     def delete(self, path: ObjectPath, keys: list[str]) -> None:
-        bucket = _bucket(path)
-
         def remove(key: str) -> None:
             try:
-                _tried(lambda: bucket.blob(key).delete(timeout=_TIMEOUT, retry=None))
+                _tried(lambda: _bucket(path).blob(key).delete(timeout=_TIMEOUT, retry=None))
             except Exception as exc:
                 if not _not_found(exc):
                     where = f"{path.scheme}://{path.bucket}/{key}"
                     raise error(where, "deleting", exc, bucket_missing=False) from exc
 
-        if len(keys) <= 1:
-            for key in keys:
-                remove(key)
-            return
-        with ThreadPoolExecutor(min(knobs.object_concurrency(), len(keys))) as pool:
-            for done in [pool.submit(remove, key) for key in keys]:
-                done.result()
+        if keys:
+            run_all(knobs.object_concurrency(), [functools.partial(remove, key) for key in keys])
 
-    def upload_parts(self, path: ObjectPath, parts: list[memoryview]) -> str:
+    def upload_parts(self, path: ObjectPath, parts: list[Part]) -> str:
         token = secrets.token_hex(8)
-        bucket = _bucket(path)
         made: list[str] = []  # part objects (and intermediate composes) to delete at the end
         made_lock = threading.Lock()
 
-        def send(number: int, body: memoryview) -> tuple[Any, int]:
+        def send(number: int, part: Part) -> tuple[Any, int, int]:
+            body = joined(part)  # here, not before: one part's copy at a time
             key = f"{path.key}.pyshmckpt-part-{token}-{number}"
-            blob = bucket.blob(key)
             crc = crc32c(body)
-            blob.crc32c = b64_of(crc)  # checked by the service (the client adds none)
             with made_lock:
                 made.append(key)
-            where = path.parent / f"{path.name}.pyshmckpt-part-{token}-{number}"
+
+            def upload() -> Any:
+                blob = _bucket(path).blob(key)
+                blob.crc32c = b64_of(crc)  # checked by the service (the client adds none)
+                _send(blob, body)
+                return blob
+
             try:
-                _tried(lambda: _send(blob, body))
+                blob = _tried(upload)
             except Exception as exc:
+                where = path.parent / key.rpartition("/")[2]
                 raise error(where, f"uploading part {number}", exc) from exc
             progress.advance(len(body))
-            return blob, crc
+            return blob, crc, len(body)
 
         try:
-            workers = min(knobs.object_concurrency(), len(parts))
-            with ThreadPoolExecutor(workers, thread_name_prefix="pyshmckpt-upload") as pool:
-                futures = [pool.submit(send, n, body) for n, body in enumerate(parts, 1)]
-                sent = [future.result() for future in futures]
+            calls = [functools.partial(send, n, part) for n, part in enumerate(parts, 1)]
+            sent = run_all(knobs.object_concurrency(), calls, "pyshmckpt-upload")
             expected = sent[0][1]
-            for (_, crc), body in zip(sent[1:], parts[1:], strict=True):
-                expected = crc32c_combine(expected, crc, len(body))
-            blob = _compose(path, bucket, [b for b, _ in sent], token, made, made_lock)
+            for _, crc, size in sent[1:]:
+                expected = crc32c_combine(expected, crc, size)
+            blob = _compose(path, [b for b, _, _ in sent], token, made, made_lock)
             if blob.crc32c != b64_of(expected):
+                with contextlib.suppress(Exception):  # never leave it for a commit to name
+                    blob.delete(if_generation_match=blob.generation, timeout=_TIMEOUT, retry=None)
                 raise ObjectStoreError(
                     str(path), f"the composed object's CRC32C {blob.crc32c} is not its parts' "
                     f"({b64_of(expected)})",
@@ -307,21 +328,19 @@ class GCSStore(Store):
     ) -> None:
         first, last = pieces[0][0], pieces[-1][0] + len(pieces[-1][1])
         where = f"reading bytes {first}-{last - 1}"
-        blob = _bucket(path).blob(path.key, generation=_generation(etag))
 
         def read() -> None:
+            blob = _bucket(path).blob(path.key, generation=_generation(etag))
             landing = _Landing(first, pieces)
             blob.download_to_file(
                 landing, start=first, end=last - 1, raw_download=True, checksum=None,
                 timeout=_TIMEOUT, retry=None,
             )  # fmt: skip
             if landing.cursor != last:
-                raise ObjectStoreError(str(path), f"{where} ended at byte {landing.cursor}")
+                raise _ShortRead(f"{where} ended at byte {landing.cursor}")
 
         try:
             _tried(read)
-        except ObjectStoreError:
-            raise
         except Exception as exc:
             if _not_found(exc):
                 raise CheckpointCorruptError(
@@ -354,35 +373,38 @@ def _send(blob: Any, body: memoryview) -> None:
 
 
 def _compose(
-    path: ObjectPath,
-    bucket: Any,
-    sources: list[Any],
-    token: str,
-    made: list[str],
-    made_lock: threading.Lock,
+    path: ObjectPath, sources: list[Any], token: str, made: list[str], made_lock: threading.Lock
 ) -> Any:
     """Compose `sources` into the object at `path` (a tree of composes of at most
-    _COMPOSE_LIMIT sources each); the composed blob."""
+    _COMPOSE_LIMIT sources each, those of one level at once); the composed blob."""
     level = 0
     while len(sources) > _COMPOSE_LIMIT:
         level += 1
         groups = [sources[i : i + _COMPOSE_LIMIT] for i in range(0, len(sources), _COMPOSE_LIMIT)]
-        merged = []
-        for index, group in enumerate(groups):
-            key = f"{path.key}.pyshmckpt-part-{token}-c{level}x{index}"
-            with made_lock:
-                made.append(key)
-            merged.append(_compose_one(path, bucket.blob(key), group))
-        sources = merged
-    return _compose_one(path, bucket.blob(path.key), sources)
+        keys = [f"{path.key}.pyshmckpt-part-{token}-c{level}x{i}" for i in range(len(groups))]
+        with made_lock:
+            made.extend(keys)
+        calls = [
+            functools.partial(_compose_one, path, k, g) for k, g in zip(keys, groups, strict=True)
+        ]
+        sources = run_all(knobs.object_concurrency(), calls, "pyshmckpt-compose")
+    return _compose_one(path, path.key, sources)
 
 
-def _compose_one(path: ObjectPath, target: Any, sources: list[Any]) -> Any:
+def _compose_one(path: ObjectPath, key: str, sources: list[Any]) -> Any:
+    def compose() -> Any:
+        target = _bucket(path).blob(key)
+        target.compose(sources, timeout=_TIMEOUT, retry=None)
+        return target
+
     try:
-        _tried(lambda: target.compose(sources, timeout=_TIMEOUT, retry=None))
+        return _tried(compose)
     except Exception as exc:
+        if _not_found(exc):  # a part vanished (removed as an abandoned upload's?)
+            raise ObjectStoreError(
+                str(path), "composing the parts failed: a part is gone", type(exc).__name__, 404
+            ) from exc
         raise error(path, "composing the parts", exc) from exc
-    return target
 
 
 class _Landing:

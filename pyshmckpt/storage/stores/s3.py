@@ -15,11 +15,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import functools
 import logging
 import os
+import random
 import threading
+import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from ... import knobs
@@ -33,7 +35,7 @@ from ...errors import (
 )
 from .. import progress
 from ..object_store import ObjectPath
-from .base import PartBody, Store, crc32c_b64
+from .base import Part, PartBody, Store, _ShortRead, crc32c_b64, joined, run_all
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +202,8 @@ class S3Store(Store):
             )  # fmt: skip
         except Exception as exc:
             if create_only and _precondition_failed(exc):
+                if self.holds(path, data):
+                    return ""  # a retried try of this very write: its first landed
                 raise os_error(errno.EEXIST, f"{path} exists already", str(path)) from None
             raise error(path, "writing", exc) from exc
         progress.advance()
@@ -234,7 +238,7 @@ class S3Store(Store):
                     f"({len(failed)} of {len(batch)} objects)", str(first.get("Code", "")),
                 )  # fmt: skip
 
-    def upload_parts(self, path: ObjectPath, parts: list[memoryview]) -> str:
+    def upload_parts(self, path: ObjectPath, parts: list[Part]) -> str:
         store = client()
         started = _call(
             path, "starting a multipart upload", store.create_multipart_upload,
@@ -259,20 +263,30 @@ class S3Store(Store):
         first, last = pieces[0][0], pieces[-1][0] + len(pieces[-1][1])
         extra = {"IfMatch": etag} if etag else {}
         where = f"reading bytes {first}-{last - 1}"
-        try:
-            answer = client().get_object(
-                Bucket=path.bucket, Key=path.key, Range=f"bytes={first}-{last - 1}", **extra
-            )
-            with answer["Body"] as body:
-                _read_pieces(path, where, body, first, pieces)
-        except ObjectStoreError:
-            raise
-        except Exception as exc:
-            if _precondition_failed(exc):
-                raise _changed(path) from None
-            if _missing(exc):
-                raise CheckpointCorruptError(str(path), "the object is missing") from None
-            raise error(path, where, exc) from exc
+        tries, failed = knobs.object_attempts(), 0
+        while True:  # botocore retries the request, not a body cut off while it is read
+            try:
+                answer = client().get_object(
+                    Bucket=path.bucket, Key=path.key, Range=f"bytes={first}-{last - 1}", **extra
+                )
+                with answer["Body"] as body:
+                    _read_pieces(where, body, first, pieces)
+                progress.advance()
+                return
+            except Exception as exc:
+                if _precondition_failed(exc):
+                    raise _changed(path) from None
+                if _missing(exc):
+                    raise CheckpointCorruptError(str(path), "the object is missing") from None
+                failed += 1
+                if failed < tries and _cut_off(exc):
+                    time.sleep(random.uniform(0, min(20.0, 0.05 * 2 ** (failed - 1))))
+                    continue
+                if _cut_off(exc):
+                    raise ObjectStoreUnavailableError(
+                        str(path), f"{where} failed: {exc}, after {tries} tries", type(exc).__name__
+                    ) from exc
+                raise error(path, where, exc) from exc
 
     def unfinished(self, path: ObjectPath) -> Iterator[tuple[str, datetime.datetime, Any]]:
         paginator = client().get_paginator("list_multipart_uploads")
@@ -291,30 +305,41 @@ class S3Store(Store):
         logger.warning("could not abort the upload of %s: the root's cleanup will", path)
 
 
-def _read_pieces(
-    path: ObjectPath, where: str, body: Any, first: int, pieces: list[tuple[int, memoryview]]
-) -> None:
+def _cut_off(exc: BaseException) -> bool:
+    """Whether `exc` is a read cut off mid-answer (worth another try)."""
+    import botocore.exceptions as bx
+    import urllib3.exceptions as ux
+
+    return isinstance(
+        exc,
+        (_ShortRead, ux.ProtocolError, ux.ReadTimeoutError, bx.ResponseStreamingError,
+         bx.IncompleteReadError, bx.ReadTimeoutError, bx.ConnectionClosedError),
+    )  # fmt: skip
+
+
+def _read_pieces(where: str, body: Any, first: int, pieces: list[tuple[int, memoryview]]) -> None:
     """Read a ranged answer `body` (from byte `first`) into the pieces' views."""
     cursor = first
     for start, view in pieces:
         while cursor < start:  # a gap between two wanted ranges
             skipped = len(body.read(min(start - cursor, 1 << 20)))
             if not skipped:
-                raise ObjectStoreError(str(path), f"{where} ended at byte {cursor}")
+                raise _ShortRead(f"{where} ended at byte {cursor}")
             cursor += skipped
         got = 0
         while got < len(view):
             n = body.readinto(view[got:])
             if not n:
-                raise ObjectStoreError(str(path), f"{where} ended at byte {cursor + got}")
+                raise _ShortRead(f"{where} ended at byte {cursor + got}")
             got += n
         cursor += got
 
 
-def _send_parts(path: ObjectPath, upload_id: str, parts: list[memoryview]) -> list[dict[str, Any]]:
+def _send_parts(path: ObjectPath, upload_id: str, parts: list[Part]) -> list[dict[str, Any]]:
     store = client()
 
-    def send(number: int, body: memoryview) -> dict[str, Any]:
+    def send(number: int, part: Part) -> dict[str, Any]:
+        body = joined(part)  # here, not before: one part's copy at a time
         crc = crc32c_b64(body)
         answer = _call(
             path, f"uploading part {number}", store.upload_part, Bucket=path.bucket,
@@ -324,15 +349,5 @@ def _send_parts(path: ObjectPath, upload_id: str, parts: list[memoryview]) -> li
         progress.advance(len(body))
         return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32C": crc}
 
-    workers = min(knobs.object_concurrency(), len(parts))
-    with ThreadPoolExecutor(workers, thread_name_prefix="pyshmckpt-upload") as pool:
-        futures: list[Future[dict[str, Any]]] = [
-            pool.submit(send, number, body) for number, body in enumerate(parts, 1)
-        ]
-        finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        failed = next((f for f in finished if f.exception() is not None), None)
-        if failed is not None:
-            for future in futures:
-                future.cancel()
-            raise failed.exception()  # type: ignore[misc]
-        return [future.result() for future in futures]
+    calls = [functools.partial(send, number, part) for number, part in enumerate(parts, 1)]
+    return run_all(knobs.object_concurrency(), calls, "pyshmckpt-upload")
