@@ -15,16 +15,38 @@ from __future__ import annotations
 import abc
 import base64
 import datetime
+import errno
+import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
-from ...errors import ObjectStoreError
+from ...errors import ObjectStoreError, os_error
 from ...shm.native import crc32c
 from ..object_store import ObjectPath
 
 T = TypeVar("T")
 Part = list[memoryview]  # one part's bytes: a view, or the few views a part spans
+
+
+class Clients:
+    """A service's client for this process and the current settings (`settings`: the names of
+    the environment variables it is made from: a change of one, another endpoint or other keys,
+    makes another), made by `make` on first use; thread-safe."""
+
+    def __init__(self, settings: tuple[str, ...], make: Callable[[], Any]) -> None:
+        self._settings, self._make = settings, make
+        self._made: dict[tuple[Any, ...], Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self) -> Any:
+        key = (os.getpid(), *(os.environ.get(name) for name in self._settings))
+        with self._lock:
+            made = self._made.get(key)
+            if made is None:
+                made = self._made[key] = self._make()
+            return made
 
 
 class _ShortRead(OSError):
@@ -118,13 +140,15 @@ class Store(abc.ABC):
         `data` itself: a retry whose first try landed and lost its answer (its ETag is then
         not known: "")."""
 
-    def holds(self, path: ObjectPath, data: bytes) -> bool:
-        """Whether the object at `path` is `data` (read back after a conditional create was
-        refused: a first try that landed and lost its answer)."""
+    def created_already(self, path: ObjectPath, data: bytes) -> str:
+        """After a conditional create of `data` at `path` was refused: "" when the object there
+        is `data` (a first try that landed and lost its answer), else errno EEXIST."""
         try:
-            return self.get(path, limit=len(data), if_match=None) == data
+            if self.get(path, limit=len(data), if_match=None) == data:
+                return ""
         except ObjectStoreError:  # another object, larger than `data`, or unreadable
-            return False
+            pass
+        raise os_error(errno.EEXIST, f"{path} exists already", str(path))
 
     @abc.abstractmethod
     def check(self, path: ObjectPath) -> None:

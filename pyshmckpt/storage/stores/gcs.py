@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
 import functools
 import logging
 import os
@@ -44,12 +43,11 @@ from ...errors import (
     ObjectStoreError,
     ObjectStoreUnavailableError,
     PyshmckptError,
-    os_error,
 )
 from ...shm.native import crc32c, crc32c_combine
 from .. import progress
 from ..object_store import ObjectPath
-from .base import Part, PartBody, Store, _ShortRead, b64_of, crc32c_b64, joined, run_all
+from .base import Clients, Part, PartBody, Store, _ShortRead, b64_of, crc32c_b64, joined, run_all
 
 logger = logging.getLogger(__name__)
 
@@ -64,18 +62,10 @@ _SETTINGS = (
     "PYSHMCKPT_OBJECT_CONCURRENCY",
 )  # fmt: skip
 
-_clients: dict[tuple[Any, ...], Any] = {}
-_clients_lock = threading.Lock()
-
 
 def client() -> Any:
     """This process's client for the current settings (thread-safe, made on first use)."""
-    key = (os.getpid(), *(os.environ.get(name) for name in _SETTINGS))
-    with _clients_lock:
-        made = _clients.get(key)
-        if made is None:
-            made = _clients[key] = _new_client()
-        return made
+    return _clients.get()
 
 
 def _new_client() -> Any:
@@ -96,6 +86,9 @@ def _new_client() -> Any:
         for prefix in ("https://", "http://"):
             made._http.mount(prefix, adapter)
     return made
+
+
+_clients = Clients(_SETTINGS, _new_client)
 
 
 def _bucket(path: ObjectPath) -> Any:
@@ -238,9 +231,7 @@ class GCSStore(Store):
             blob = _tried(write)
         except Exception as exc:
             if create_only and _precondition_failed(exc):
-                if self.holds(path, data):
-                    return ""  # a retried try of this very write: its first landed
-                raise os_error(errno.EEXIST, f"{path} exists already", str(path)) from None
+                return self.created_already(path, data)
             raise error(path, "writing", exc) from exc
         return str(blob.generation)
 

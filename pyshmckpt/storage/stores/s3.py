@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
 import functools
 import logging
-import os
 import random
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -31,11 +28,10 @@ from ...errors import (
     ObjectStoreAccessError,
     ObjectStoreError,
     ObjectStoreUnavailableError,
-    os_error,
 )
 from .. import progress
 from ..object_store import ObjectPath
-from .base import Part, PartBody, Store, _ShortRead, crc32c_b64, joined, run_all
+from .base import Clients, Part, PartBody, Store, _ShortRead, crc32c_b64, joined, run_all
 
 logger = logging.getLogger(__name__)
 
@@ -58,18 +54,10 @@ _SETTINGS = (
 
 T = TypeVar("T")
 
-_clients: dict[tuple[Any, ...], Any] = {}
-_clients_lock = threading.Lock()
-
 
 def client() -> Any:
     """This process's S3 client for the current settings (thread-safe, made on first use)."""
-    key = (os.getpid(), *(os.environ.get(name) for name in _SETTINGS))
-    with _clients_lock:
-        made = _clients.get(key)
-        if made is None:
-            made = _clients[key] = _new_client()
-        return made
+    return _clients.get()
 
 
 def _new_client() -> Any:
@@ -90,6 +78,9 @@ def _new_client() -> Any:
         s3={"payload_signing_enabled": False},
     )
     return boto3.session.Session().client("s3", config=config)
+
+
+_clients = Clients(_SETTINGS, _new_client)
 
 
 def error(path: ObjectPath | str, what: str, exc: BaseException) -> ObjectStoreError:
@@ -202,9 +193,7 @@ class S3Store(Store):
             )  # fmt: skip
         except Exception as exc:
             if create_only and _precondition_failed(exc):
-                if self.holds(path, data):
-                    return ""  # a retried try of this very write: its first landed
-                raise os_error(errno.EEXIST, f"{path} exists already", str(path)) from None
+                return self.created_already(path, data)
             raise error(path, "writing", exc) from exc
         progress.advance()
         return str(answer.get("ETag", ""))
