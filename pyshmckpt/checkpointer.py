@@ -456,7 +456,7 @@ class Checkpointer:
         # stager's would unlink the slots before the process's finished the saves reading them.
         self._finalizer = weakref.finalize(
             self, Checkpointer._finalize, self._process, self._stager, self._heartbeat,
-            self._hold, None if self.mirror is None else self._config.write_timeout_secs or 1800.0,
+            self._hold, None if self.mirror is None else self._mirror_bound(),
         )  # fmt: skip
         self._closed = False
 
@@ -886,10 +886,14 @@ class Checkpointer:
         self._finalizer.detach()
         try:
             if self.mirror is not None and not abort:
-                drain_mirror(self._process, self._config.write_timeout_secs or 1800.0)
+                drain_mirror(self._process, self._mirror_bound())
             self._process.close(abort=abort)
         finally:
             self._release(keep_slots=False)
+
+    def _mirror_bound(self) -> float:
+        """Seconds `close` waits for the mirror's uploads: a save's write timeout."""
+        return self._config.write_timeout_secs or mirror.DRAIN_TIMEOUT
 
     def _end_staging(self) -> None:
         """Let an overlapped save in flight reach the writer (bounded), then stop its thread."""

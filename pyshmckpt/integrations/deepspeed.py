@@ -84,6 +84,7 @@ from ..errors import (
     from_os_error,
 )
 from ..storage import TorchFileWriter, liveness, locations, object_store
+from ..storage.mirror import DRAIN_TIMEOUT
 from ..storage.object_store import ObjectPath
 from ..transport import CheckpointProcess, CheckpointProcessConfig, RankInfo, no_init
 from .deepspeed_latest import LATEST, TagWriter, marker, write_marker
@@ -185,7 +186,8 @@ class ShmCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # DeepSpeed 
         self.commit_timeout = float(commit_timeout)
         self.mirror = _mirror_root(mirror)
         process_config = CheckpointProcessConfig.starting_in_background(config)
-        self._mirror_bound = process_config.write_timeout_secs or 1800.0  # close() waits for it
+        # How long close() waits for the mirror: a write's timeout.
+        self._mirror_bound = process_config.write_timeout_secs or DRAIN_TIMEOUT
         initialized = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if initialized else 0
         self.world_size = dist.get_world_size() if initialized else 1

@@ -114,8 +114,9 @@ def open_rank(checkpoint: ObjectPath, record: dict[str, Any], rank: int) -> Open
             str(checkpoint), f"rank {rank} is not among the checkpoint's ranks {ranks(record)}"
         )
     json_etag, _ = _object(checkpoint, record, json_name)
-    etag, size = _object(checkpoint, record, st_name)
-    first_bytes = _first_read(_entry(checkpoint, record, st_name), size)
+    stored = _entry(checkpoint, record, st_name)
+    etag, size = str(stored.get("etag", "")), int(stored["size"])
+    first_bytes = _first_read(stored, size)
     if size < 8:
         raise CheckpointCorruptError(str(st_path), f"the object is {size} bytes: no header")
     fd = os.memfd_create(f"pyshmckpt-{st_name}", os.MFD_CLOEXEC)
